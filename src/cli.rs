@@ -1,0 +1,75 @@
+//! The command line (clap derive). Knobs live in the config schema and are reached
+//! with `--set`; flags are only for what is not training configuration.
+
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand, ValueEnum};
+
+#[derive(Debug, Parser)]
+#[command(name = "kiln", version, about = "Train image classifiers on one or several GPUs (Burn + CUDA)", long_about = None)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Train a model from a TOML config.
+    #[command(
+        after_help = "Exit codes: 0 finished or stopped at train.max_steps, 1 failed, 2 usage/config/data error,\n75 GPU unavailable, 130 interrupted (a checkpoint was written)."
+    )]
+    Train(TrainArgs),
+    /// Evaluate a run's saved model on a dataset split.
+    Eval(EvalArgs),
+    /// Show the GPUs kiln can see and how CUDA_VISIBLE_DEVICES maps them.
+    Devices(DevicesArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct TrainArgs {
+    /// Config file (TOML). Optional with `--resume RUN_DIR`, which then reuses the run's config.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// Override a config key, e.g. `--set train.epochs=5`; repeatable, applied in order.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub sets: Vec<String>,
+    /// Folder that holds run directories.
+    #[arg(long, value_name = "DIR", default_value = "checkpoints")]
+    pub output: PathBuf,
+    /// Continue a run from its newest good checkpoint: RUN_DIR, or without a value the
+    /// newest run of this config under --output.
+    #[arg(long, value_name = "RUN_DIR")]
+    pub resume: Option<Option<PathBuf>>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Split {
+    Train,
+    Test,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Which {
+    /// The newest complete checkpoint.
+    Latest,
+    /// The checkpoint with the best test accuracy.
+    Best,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct EvalArgs {
+    /// A run directory made by `kiln train`.
+    #[arg(long = "run", value_name = "RUN_DIR")]
+    pub run: PathBuf,
+    #[arg(long, value_enum, default_value = "test")]
+    pub split: Split,
+    #[arg(long, value_enum, default_value = "latest")]
+    pub checkpoint: Which,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct DevicesArgs {
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}

@@ -1,0 +1,251 @@
+//! `kiln train`: config → device plan → dataset → run dir → trainer.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use anyhow::Context;
+
+use crate::cli::TrainArgs;
+use crate::config::{self, Config};
+use crate::device::{DevicePlan, kernel_cache_dir};
+use crate::exit::{INTERRUPTED, UsageError};
+use crate::train::backend::with_backend;
+use crate::train::{Outcome, TrainJob};
+
+/// Keys whose change would make a resumed run a different run (other network, other
+/// data order); everything else may change between resumes and is listed.
+const FIXED_ON_RESUME: &[&str] = &[
+    "model.",
+    "data.dataset",
+    "data.image_size",
+    "data.max_train_samples",
+    "data.synthetic_",
+    "train.batch_size",
+    "train.seed",
+];
+
+pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
+    let resume_dir = match &args.resume {
+        None => None,
+        Some(None) => Some(newest_run(&args)?),
+        Some(Some(p)) => Some(p.clone()),
+    };
+    let (config, name) = load_config(&args, resume_dir.as_deref())?;
+
+    let run_dir = match &resume_dir {
+        Some(dir) => {
+            check_resumable(dir, &config)?;
+            dir.clone()
+        }
+        None => create_run_dir(&args.output, &name)?,
+    };
+
+    let plan = super::plan_devices(&config.devices)?;
+    let dataset = crate::data::open(&config.data, config.train.seed)?;
+    eprintln!(
+        "kiln: data: {:?} at {} ({} train / {} test images, {}x{}x{}, {} classes)",
+        config.data.dataset,
+        if dataset.root.as_os_str().is_empty() {
+            "(generated)".into()
+        } else {
+            dataset.root.display().to_string()
+        },
+        dataset.train.len(),
+        dataset.test.len(),
+        dataset.shape().channels,
+        dataset.shape().height,
+        dataset.shape().width,
+        dataset.classes.len()
+    );
+
+    // Record the config as resolved: the dataset's absolute location included.
+    let mut resolved = config.clone();
+    resolved.data.root = dataset.root.display().to_string();
+    let config_path = run_dir.join("config.toml");
+    crate::report::write_atomic(&config_path, config::to_toml(&resolved).as_bytes())
+        .with_context(|| format!("writing {}", config_path.display()))?;
+    eprintln!("kiln: run dir: {}", run_dir.display());
+
+    let interrupt = install_signal_handler();
+    let cache = kernel_cache_dir(&config.devices.cache_dir);
+    let job = TrainJob {
+        config: resolved,
+        dataset,
+        run_dir: run_dir.clone(),
+        resume: resume_dir.is_some(),
+        devices: plan.device_names(),
+        interrupt,
+        kernel_cache: matches!(plan, DevicePlan::Cuda { .. }).then(|| cache.clone()),
+    };
+    let (outcome, state) = with_backend(&plan, &cache, job)?;
+    let best = state
+        .best()
+        .map(|(acc, epoch)| format!(", best {:.2}% at epoch {epoch}", acc * 100.0))
+        .unwrap_or_default();
+    let last = state
+        .history
+        .iter()
+        .rev()
+        .find(|r| !r.test_acc.is_nan())
+        .map(|r| format!(": test accuracy {:.2}%", r.test_acc * 100.0))
+        .unwrap_or_default();
+    Ok(match outcome {
+        Outcome::Finished => {
+            eprintln!(
+                "kiln: finished {} epochs in {:.1} s{last}{best}",
+                state.history.len(),
+                state.elapsed_s
+            );
+            ExitCode::SUCCESS
+        }
+        Outcome::Stopped => {
+            eprintln!(
+                "kiln: stopped at step {} (train.max_steps){last}; continue with --resume {}",
+                state.step,
+                run_dir.display()
+            );
+            ExitCode::SUCCESS
+        }
+        Outcome::Interrupted => {
+            eprintln!(
+                "kiln: interrupted at step {}; checkpoint saved, continue with --resume {}",
+                state.step,
+                run_dir.display()
+            );
+            ExitCode::from(INTERRUPTED)
+        }
+    })
+}
+
+/// The config file (plus `--set`), or the run's own `config.toml` when resuming without one.
+fn load_config(args: &TrainArgs, resume_dir: Option<&Path>) -> anyhow::Result<(Config, String)> {
+    let path = match (&args.config, resume_dir) {
+        (Some(p), _) => p.clone(),
+        (None, Some(dir)) => dir.join("config.toml"),
+        (None, None) => {
+            return Err(
+                UsageError("kiln train needs --config FILE (or --resume RUN_DIR)".into()).into(),
+            );
+        }
+    };
+    let config = config::load(&path, &args.sets)?;
+    let name = path
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "run".into());
+    Ok((config, name))
+}
+
+fn newest_run(args: &TrainArgs) -> anyhow::Result<PathBuf> {
+    let Some(config) = &args.config else {
+        return Err(UsageError(
+            "--resume without a RUN_DIR needs --config to know which run to continue".into(),
+        )
+        .into());
+    };
+    let stem = config
+        .file_stem()
+        .unwrap_or_default()
+        .to_string_lossy()
+        .into_owned();
+    let prefix = format!("{stem}-");
+    let mut runs: Vec<PathBuf> = std::fs::read_dir(&args.output)
+        .into_iter()
+        .flatten()
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| {
+            p.file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with(&prefix))
+                && p.join("checkpoints").join("latest").is_file()
+        })
+        .collect();
+    runs.sort();
+    runs.pop().ok_or_else(|| {
+        UsageError(format!(
+            "--resume: no run of {} with a checkpoint under {}; start one without --resume, or name the run dir",
+            config.display(),
+            args.output.display()
+        ))
+        .into()
+    })
+}
+
+/// The run dir must exist; keys that define the run must not change.
+fn check_resumable(dir: &Path, config: &Config) -> anyhow::Result<()> {
+    let saved_path = dir.join("config.toml");
+    if !saved_path.is_file() {
+        return Err(UsageError(format!(
+            "--resume {}: not a kiln run directory (no config.toml)",
+            dir.display()
+        ))
+        .into());
+    }
+    let mut saved = config::load(&saved_path, &[])?;
+    // The recorded root is absolute; compare the rest as the user wrote it.
+    saved.data.root = config.data.root.clone();
+    let changes = config::diff(&saved, config);
+    let fixed: Vec<String> = changes
+        .iter()
+        .filter(|(k, _, _)| FIXED_ON_RESUME.iter().any(|f| k.starts_with(f)))
+        .map(|(k, a, b)| format!("{k}: {a} -> {b}"))
+        .collect();
+    if !fixed.is_empty() {
+        return Err(UsageError(format!(
+            "--resume {}: these keys define the run and cannot change when resuming: {}; start a new run instead",
+            dir.display(),
+            fixed.join(", ")
+        ))
+        .into());
+    }
+    for (k, a, b) in changes {
+        eprintln!("kiln: note: resuming with {k} changed from {a} to {b}");
+    }
+    Ok(())
+}
+
+fn create_run_dir(output: &Path, name: &str) -> anyhow::Result<PathBuf> {
+    std::fs::create_dir_all(output)
+        .with_context(|| format!("creating output folder {}", output.display()))?;
+    let stamp: String = humantime::format_rfc3339_seconds(std::time::SystemTime::now())
+        .to_string()
+        .chars()
+        .filter(|c| c.is_ascii_digit() || *c == 'T')
+        .map(|c| if c == 'T' { '-' } else { c })
+        .collect();
+    for n in 0.. {
+        let dir = output.join(if n == 0 {
+            format!("{name}-{stamp}")
+        } else {
+            format!("{name}-{stamp}-{n}")
+        });
+        match std::fs::create_dir(&dir) {
+            Ok(()) => return Ok(dir),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+            Err(e) => return Err(e).with_context(|| format!("creating run dir {}", dir.display())),
+        }
+    }
+    unreachable!("some suffix is free")
+}
+
+/// First SIGINT/SIGTERM: finish the step, checkpoint, exit 130. A second one exits now.
+fn install_signal_handler() -> Arc<AtomicBool> {
+    let flag = Arc::new(AtomicBool::new(false));
+    let f = flag.clone();
+    let result = ctrlc::set_handler(move || {
+        if f.swap(true, Ordering::SeqCst) {
+            eprintln!("kiln: second interrupt, exiting without a checkpoint");
+            std::process::exit(INTERRUPTED as i32);
+        }
+        eprintln!(
+            "kiln: interrupt: finishing this step and saving a checkpoint (interrupt again to quit now)"
+        );
+    });
+    if let Err(e) = result {
+        eprintln!(
+            "kiln: warning: cannot catch interrupts ({e}); an interrupt will lose progress since the last checkpoint"
+        );
+    }
+    flag
+}

@@ -1,0 +1,530 @@
+//! The configuration schema: one serde struct per TOML section, every field with
+//! its unit, default and interactions. This is what the user typed (after `--set`);
+//! resolving it against the machine (devices, dataset files) happens elsewhere.
+//! Cross-field rules live in [`Config::validate`].
+
+use serde::{Deserialize, Serialize};
+
+use super::error::ConfigError;
+
+/// The whole training configuration, as read from a TOML file plus `--set` overrides.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    pub model: ModelConfig,
+    pub data: DataConfig,
+    pub train: TrainConfig,
+    pub optim: OptimConfig,
+    pub devices: DevicesConfig,
+    pub checkpoint: CheckpointConfig,
+}
+
+/// Which network to train.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Arch {
+    /// A 2-block, 8/16-channel ResNet for tests and smoke runs (like torchtitan's debugmodel).
+    Tiny,
+    /// CIFAR-style ResNets (He et al. 2016, section 4.2): 3 stages of 16/32/64 channels.
+    Resnet20,
+    Resnet32,
+    Resnet56,
+    /// ImageNet-style ResNets: 4 stages of 64..512 channels (ResNet-50: bottleneck blocks, x4).
+    Resnet18,
+    Resnet34,
+    Resnet50,
+}
+
+/// The first layers of the network, before the residual stages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Stem {
+    /// `small` for images of at most 64 px on their shorter side, else `imagenet`.
+    Auto,
+    /// 3x3 convolution, stride 1, no max-pool: keeps the resolution of 28-32 px images.
+    Small,
+    /// 7x7 convolution, stride 2, then a 3x3 max-pool of stride 2: for 224 px images.
+    Imagenet,
+}
+
+/// `[model]`: the network.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ModelConfig {
+    /// Network family member. Input channels and class count come from the dataset.
+    pub arch: Arch,
+    /// Stem layers; `auto` chooses from the image size.
+    pub stem: Stem,
+}
+
+impl Default for ModelConfig {
+    fn default() -> Self {
+        Self {
+            arch: Arch::Resnet20,
+            stem: Stem::Auto,
+        }
+    }
+}
+
+/// Which dataset reader to use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DatasetKind {
+    /// Fashion-MNIST IDX files (gzip or raw), 28x28 grey, 10 classes.
+    FashionMnist,
+    /// MNIST digits in the same IDX format (no horizontal flips: digits are not symmetric).
+    Mnist,
+    /// The CIFAR-10 binary archive (`cifar-10-batches-bin/`), 32x32 RGB, 10 classes.
+    Cifar10,
+    /// `ROOT/{train,test}/CLASS/*.{png,jpg}`; classes are the sub-folder names, sorted.
+    ImageFolder,
+    /// Random images with learnable class-dependent means, for benchmarks and tests.
+    Synthetic,
+}
+
+impl DatasetKind {
+    /// Where `data.root = ""` points, relative to the working directory.
+    pub fn default_root(self) -> &'static str {
+        match self {
+            DatasetKind::FashionMnist => "datasets/fashion-mnist",
+            DatasetKind::Mnist => "datasets/mnist",
+            DatasetKind::Cifar10 => "datasets/cifar-10-batches-bin",
+            DatasetKind::ImageFolder => "datasets/images",
+            DatasetKind::Synthetic => "",
+        }
+    }
+}
+
+/// Horizontal flips during training.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Flip {
+    /// On for natural images and clothes, off for MNIST digits.
+    Auto,
+    On,
+    Off,
+}
+
+/// `[data]`: what to read and how to feed it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DataConfig {
+    pub dataset: DatasetKind,
+    /// Dataset location. Empty: the dataset's usual place under `datasets/` (for
+    /// `cifar10`, a folder holding `data_batch_1.bin`..`test_batch.bin` or its parent).
+    /// Relative paths are taken from the working directory; the run dir records the
+    /// absolute path.
+    pub root: String,
+    /// Side of the square images fed to the network, in pixels. 0: the dataset's own
+    /// size (image folders: the size of the first image). Other sizes are resized.
+    pub image_size: u32,
+    /// Random crop after zero-padding each side by this many pixels (train only). 0: off.
+    pub crop_padding: u32,
+    /// Random horizontal flips (train only).
+    pub hflip: Flip,
+    /// Use at most this many training images (the first ones). 0: all.
+    pub max_train_samples: usize,
+    /// Use at most this many test images. 0: all.
+    pub max_test_samples: usize,
+    /// Threads that decode, augment and batch, off the training thread. At least 1.
+    pub num_workers: usize,
+    /// Batches prepared ahead of the training thread. At least 1.
+    pub prefetch: usize,
+    /// `synthetic` only: number of training images.
+    pub synthetic_train_size: usize,
+    /// `synthetic` only: number of test images.
+    pub synthetic_test_size: usize,
+    /// `synthetic` only: number of classes.
+    pub synthetic_classes: usize,
+    /// `synthetic` only: channels per image.
+    pub synthetic_channels: usize,
+}
+
+impl Default for DataConfig {
+    fn default() -> Self {
+        Self {
+            dataset: DatasetKind::FashionMnist,
+            root: String::new(),
+            image_size: 0,
+            crop_padding: 4,
+            hflip: Flip::Auto,
+            max_train_samples: 0,
+            max_test_samples: 0,
+            num_workers: 4,
+            prefetch: 4,
+            synthetic_train_size: 10_240,
+            synthetic_test_size: 1_024,
+            synthetic_classes: 10,
+            synthetic_channels: 3,
+        }
+    }
+}
+
+/// `[train]`: the loop.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TrainConfig {
+    /// Passes over the training set.
+    pub epochs: u32,
+    /// Stop after this many optimizer steps, even mid-epoch (a checkpoint is written).
+    /// 0: run all epochs. The LR schedule is still laid out over all epochs.
+    pub max_steps: u64,
+    /// Images per optimizer step (the global batch), whatever the number of devices
+    /// and accumulation steps. The last, smaller batch of an epoch is dropped.
+    pub batch_size: usize,
+    /// Split each global batch into this many micro-batches whose gradients are summed
+    /// before one optimizer step. Must divide `batch_size`.
+    pub grad_accum_steps: usize,
+    /// Seeds weight initialisation, data order and augmentation. The same seed on the
+    /// CPU gives the same run.
+    pub seed: u64,
+    /// Cross-entropy label smoothing in [0, 1).
+    pub label_smoothing: f64,
+    /// Clip the global L2 norm of all gradients to this value. 0: off.
+    pub grad_clip_norm: f64,
+    /// Evaluate on the test split every this many epochs (and after the last). 0: only
+    /// after the last epoch.
+    pub eval_every_epochs: u32,
+    /// Print a progress line every this many steps when stderr is not a terminal.
+    pub log_every_steps: u64,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        Self {
+            epochs: 30,
+            max_steps: 0,
+            batch_size: 128,
+            grad_accum_steps: 1,
+            seed: 0,
+            label_smoothing: 0.0,
+            grad_clip_norm: 0.0,
+            eval_every_epochs: 1,
+            log_every_steps: 100,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OptimizerKind {
+    /// SGD with (optionally Nesterov) momentum and L2 weight decay, as `torch.optim.SGD`.
+    Sgd,
+    /// Adam with decoupled weight decay, as `torch.optim.AdamW`.
+    Adamw,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ScheduleKind {
+    /// `lr` throughout (after warmup).
+    Constant,
+    /// Half-cosine from `lr` down to `min_lr` over the run (after warmup).
+    Cosine,
+    /// 1cycle (Smith 2018): cosine up from `lr / onecycle_div` to `lr` over
+    /// `onecycle_pct_start` of the run, then cosine down to `lr / onecycle_final_div`.
+    Onecycle,
+    /// Multiply by `step_gamma` at each epoch in `step_milestones`.
+    Step,
+}
+
+/// `[optim]`: optimizer and learning-rate schedule.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct OptimConfig {
+    pub name: OptimizerKind,
+    /// Peak learning rate.
+    pub lr: f64,
+    /// SGD momentum (dampening 0, as PyTorch).
+    pub momentum: f64,
+    /// SGD: Nesterov momentum.
+    pub nesterov: bool,
+    /// SGD: L2 penalty added to the gradient. AdamW: decoupled decay rate.
+    pub weight_decay: f64,
+    /// AdamW beta1.
+    pub beta1: f64,
+    /// AdamW beta2.
+    pub beta2: f64,
+    /// AdamW epsilon.
+    pub eps: f64,
+    pub schedule: ScheduleKind,
+    /// Linear warmup from 0 over this many epochs (fractions allowed). Not used by `onecycle`.
+    pub warmup_epochs: f64,
+    /// `cosine`: the final learning rate.
+    pub min_lr: f64,
+    /// `step`: epochs at which the learning rate is multiplied by `step_gamma`.
+    pub step_milestones: Vec<u32>,
+    /// `step`: the factor applied at each milestone.
+    pub step_gamma: f64,
+    /// `onecycle`: fraction of the run spent increasing the learning rate.
+    pub onecycle_pct_start: f64,
+    /// `onecycle`: initial learning rate is `lr / onecycle_div`.
+    pub onecycle_div: f64,
+    /// `onecycle`: final learning rate is `lr / onecycle_final_div`.
+    pub onecycle_final_div: f64,
+}
+
+impl Default for OptimConfig {
+    fn default() -> Self {
+        Self {
+            name: OptimizerKind::Sgd,
+            lr: 0.1,
+            momentum: 0.9,
+            nesterov: false,
+            weight_decay: 5e-4,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            schedule: ScheduleKind::Cosine,
+            warmup_epochs: 0.0,
+            min_lr: 0.0,
+            step_milestones: Vec::new(),
+            step_gamma: 0.1,
+            onecycle_pct_start: 0.3,
+            onecycle_div: 25.0,
+            onecycle_final_div: 1e4,
+        }
+    }
+}
+
+/// Which backend runs the model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BackendChoice {
+    /// CUDA when a driver and a GPU are present, else the CPU with a notice.
+    Auto,
+    /// CUDA; an error when no usable GPU is found.
+    Cuda,
+    /// The CPU backend (Burn's Flex), even where a GPU is present.
+    Cpu,
+}
+
+/// `[devices]`: where training runs.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DevicesConfig {
+    pub backend: BackendChoice,
+    /// With `backend = "auto"`: refuse to fall back to the CPU.
+    pub require_gpu: bool,
+    /// Logical CUDA index (after `CUDA_VISIBLE_DEVICES`) of the GPU that trains.
+    pub main: usize,
+    /// Where compiled CUDA kernels and autotune results are kept between runs. Empty:
+    /// `$KILN_CACHE_DIR`, else `$XDG_CACHE_HOME/kiln`, else `~/.cache/kiln`.
+    pub cache_dir: String,
+}
+
+impl Default for DevicesConfig {
+    fn default() -> Self {
+        Self {
+            backend: BackendChoice::Auto,
+            require_gpu: false,
+            main: 0,
+            cache_dir: String::new(),
+        }
+    }
+}
+
+/// `[checkpoint]`: when training state is saved and how many are kept.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CheckpointConfig {
+    /// Also save every this many optimizer steps. 0: only at the end of each epoch
+    /// (and when training stops early).
+    pub every_steps: u64,
+    /// Keep the newest this many checkpoints; older ones are deleted once a newer one
+    /// is complete on disk. At least 1.
+    pub keep_last: usize,
+    /// Also keep the checkpoint with the best test accuracy.
+    pub keep_best: bool,
+}
+
+impl Default for CheckpointConfig {
+    fn default() -> Self {
+        Self {
+            every_steps: 0,
+            keep_last: 2,
+            keep_best: true,
+        }
+    }
+}
+
+impl Config {
+    /// Rules that involve more than one field or a range serde cannot express.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let bad = |key: &str, value: String, allowed: &str| {
+            Err(ConfigError::Invalid {
+                key: key.to_string(),
+                value,
+                allowed: allowed.to_string(),
+            })
+        };
+        let t = &self.train;
+        if t.epochs == 0 {
+            return bad("train.epochs", t.epochs.to_string(), "at least 1");
+        }
+        if t.batch_size == 0 {
+            return bad("train.batch_size", "0".into(), "at least 1");
+        }
+        if t.grad_accum_steps == 0 || !t.batch_size.is_multiple_of(t.grad_accum_steps) {
+            return bad(
+                "train.grad_accum_steps",
+                t.grad_accum_steps.to_string(),
+                &format!(
+                    "a divisor of train.batch_size = {} (each micro-batch has batch_size / grad_accum_steps images)",
+                    t.batch_size
+                ),
+            );
+        }
+        if !(0.0..1.0).contains(&t.label_smoothing) {
+            return bad(
+                "train.label_smoothing",
+                t.label_smoothing.to_string(),
+                "a number in [0, 1)",
+            );
+        }
+        if !(t.grad_clip_norm >= 0.0 && t.grad_clip_norm.is_finite()) {
+            return bad(
+                "train.grad_clip_norm",
+                t.grad_clip_norm.to_string(),
+                "0 (off) or a positive number",
+            );
+        }
+        if t.log_every_steps == 0 {
+            return bad("train.log_every_steps", "0".into(), "at least 1");
+        }
+        let d = &self.data;
+        if d.num_workers == 0 {
+            return bad(
+                "data.num_workers",
+                "0".into(),
+                "at least 1 (loading always runs off the training thread)",
+            );
+        }
+        if d.prefetch == 0 {
+            return bad("data.prefetch", "0".into(), "at least 1");
+        }
+        if d.image_size > 4096 {
+            return bad(
+                "data.image_size",
+                d.image_size.to_string(),
+                "0 (the dataset's size) or at most 4096",
+            );
+        }
+        if d.dataset == DatasetKind::Synthetic {
+            if d.synthetic_classes < 2 {
+                return bad(
+                    "data.synthetic_classes",
+                    d.synthetic_classes.to_string(),
+                    "at least 2",
+                );
+            }
+            if d.synthetic_channels == 0 || d.synthetic_channels > 4 {
+                return bad(
+                    "data.synthetic_channels",
+                    d.synthetic_channels.to_string(),
+                    "1 to 4",
+                );
+            }
+            if d.synthetic_train_size == 0 || d.synthetic_test_size == 0 {
+                return bad(
+                    "data.synthetic_train_size",
+                    format!("{} / {}", d.synthetic_train_size, d.synthetic_test_size),
+                    "at least 1 image in each split (data.synthetic_test_size too)",
+                );
+            }
+        }
+        let o = &self.optim;
+        if !(o.lr > 0.0 && o.lr.is_finite()) {
+            return bad("optim.lr", o.lr.to_string(), "a positive number");
+        }
+        if !(0.0..1.0).contains(&o.momentum) {
+            return bad(
+                "optim.momentum",
+                o.momentum.to_string(),
+                "a number in [0, 1)",
+            );
+        }
+        if o.nesterov && o.momentum == 0.0 {
+            return bad(
+                "optim.nesterov",
+                "true".into(),
+                "false when optim.momentum = 0 (Nesterov needs momentum)",
+            );
+        }
+        if !(o.weight_decay >= 0.0 && o.weight_decay.is_finite()) {
+            return bad(
+                "optim.weight_decay",
+                o.weight_decay.to_string(),
+                "0 or a positive number",
+            );
+        }
+        for (key, v) in [("optim.beta1", o.beta1), ("optim.beta2", o.beta2)] {
+            if !(0.0..1.0).contains(&v) {
+                return bad(key, v.to_string(), "a number in [0, 1)");
+            }
+        }
+        if o.eps.is_nan() || o.eps <= 0.0 {
+            return bad("optim.eps", o.eps.to_string(), "a positive number");
+        }
+        if !(o.warmup_epochs >= 0.0 && o.warmup_epochs <= t.epochs as f64) {
+            return bad(
+                "optim.warmup_epochs",
+                o.warmup_epochs.to_string(),
+                &format!("a number from 0 to train.epochs = {}", t.epochs),
+            );
+        }
+        if !(o.min_lr >= 0.0 && o.min_lr <= o.lr) {
+            return bad(
+                "optim.min_lr",
+                o.min_lr.to_string(),
+                &format!("from 0 to optim.lr = {}", o.lr),
+            );
+        }
+        if o.step_gamma.is_nan() || o.step_gamma <= 0.0 {
+            return bad(
+                "optim.step_gamma",
+                o.step_gamma.to_string(),
+                "a positive number",
+            );
+        }
+        if o.schedule == ScheduleKind::Step {
+            if o.step_milestones.windows(2).any(|w| w[0] >= w[1]) {
+                return bad(
+                    "optim.step_milestones",
+                    format!("{:?}", o.step_milestones),
+                    "epochs in increasing order",
+                );
+            }
+            if o.step_milestones.is_empty() {
+                return bad(
+                    "optim.step_milestones",
+                    "[]".into(),
+                    "at least one epoch when optim.schedule = \"step\"",
+                );
+            }
+        }
+        if !(o.onecycle_pct_start > 0.0 && o.onecycle_pct_start < 1.0) {
+            return bad(
+                "optim.onecycle_pct_start",
+                o.onecycle_pct_start.to_string(),
+                "a number in (0, 1)",
+            );
+        }
+        for (key, v) in [
+            ("optim.onecycle_div", o.onecycle_div),
+            ("optim.onecycle_final_div", o.onecycle_final_div),
+        ] {
+            if v.is_nan() || v < 1.0 {
+                return bad(key, v.to_string(), "a number of at least 1");
+            }
+        }
+        if self.checkpoint.keep_last == 0 {
+            return bad(
+                "checkpoint.keep_last",
+                "0".into(),
+                "at least 1 (resume needs a checkpoint)",
+            );
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,156 @@
+//! Residual blocks: the basic two-3x3 block (ResNet-18/34 and the CIFAR ResNets) and
+//! the 1x1-3x3-1x1 bottleneck (ResNet-50, stride on the 3x3 as torchvision's v1.5).
+
+use burn::module::Module;
+use burn::nn::conv::{Conv2d, Conv2dConfig};
+use burn::nn::{BatchNorm, BatchNormConfig, Initializer, PaddingConfig2d};
+use burn::tensor::Tensor;
+use burn::tensor::activation::relu;
+use burn::tensor::backend::Backend;
+
+/// He-normal, fan-out, as torchvision initialises ResNet convolutions.
+fn he_normal() -> Initializer {
+    Initializer::KaimingNormal {
+        gain: std::f64::consts::SQRT_2,
+        fan_out_only: true,
+    }
+}
+
+pub fn conv<B: Backend>(
+    cin: usize,
+    cout: usize,
+    k: usize,
+    stride: usize,
+    device: &B::Device,
+) -> Conv2d<B> {
+    let pad = k / 2;
+    Conv2dConfig::new([cin, cout], [k, k])
+        .with_stride([stride, stride])
+        .with_padding(PaddingConfig2d::Explicit(pad, pad, pad, pad))
+        .with_bias(false)
+        .with_initializer(he_normal())
+        .init(device)
+}
+
+pub fn bn<B: Backend>(channels: usize, device: &B::Device) -> BatchNorm<B> {
+    BatchNormConfig::new(channels).init(device)
+}
+
+/// A 1x1 convolution and BatchNorm that match the shortcut to the block's output shape.
+#[derive(Module, Debug)]
+pub struct Projection<B: Backend> {
+    conv: Conv2d<B>,
+    bn: BatchNorm<B>,
+}
+
+impl<B: Backend> Projection<B> {
+    fn new(cin: usize, cout: usize, stride: usize, device: &B::Device) -> Self {
+        Projection {
+            conv: conv(cin, cout, 1, stride, device),
+            bn: bn(cout, device),
+        }
+    }
+
+    fn forward(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
+        self.bn.forward(self.conv.forward(x))
+    }
+}
+
+/// Shortcut: identity when shapes match, else a projection.
+fn shortcut<B: Backend>(
+    cin: usize,
+    cout: usize,
+    stride: usize,
+    device: &B::Device,
+) -> Option<Projection<B>> {
+    (stride != 1 || cin != cout).then(|| Projection::new(cin, cout, stride, device))
+}
+
+#[derive(Module, Debug)]
+pub struct Basic<B: Backend> {
+    conv1: Conv2d<B>,
+    bn1: BatchNorm<B>,
+    conv2: Conv2d<B>,
+    bn2: BatchNorm<B>,
+    shortcut: Option<Projection<B>>,
+}
+
+impl<B: Backend> Basic<B> {
+    pub fn new(cin: usize, cout: usize, stride: usize, device: &B::Device) -> Self {
+        Basic {
+            conv1: conv(cin, cout, 3, stride, device),
+            bn1: bn(cout, device),
+            conv2: conv(cout, cout, 3, 1, device),
+            bn2: bn(cout, device),
+            shortcut: shortcut(cin, cout, stride, device),
+        }
+    }
+
+    /// `[B, cin, H, W] -> [B, cout, H / stride, W / stride]`
+    pub fn forward(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
+        let identity = match &self.shortcut {
+            Some(p) => p.forward(x.clone()),
+            None => x.clone(),
+        };
+        let y = relu(self.bn1.forward(self.conv1.forward(x)));
+        let y = self.bn2.forward(self.conv2.forward(y));
+        relu(y + identity)
+    }
+}
+
+#[derive(Module, Debug)]
+pub struct Bottleneck<B: Backend> {
+    conv1: Conv2d<B>,
+    bn1: BatchNorm<B>,
+    conv2: Conv2d<B>,
+    bn2: BatchNorm<B>,
+    conv3: Conv2d<B>,
+    bn3: BatchNorm<B>,
+    shortcut: Option<Projection<B>>,
+}
+
+impl<B: Backend> Bottleneck<B> {
+    /// `width` is the 3x3 convolution's channel count; the block outputs `4 * width`.
+    pub fn new(cin: usize, width: usize, stride: usize, device: &B::Device) -> Self {
+        let cout = width * 4;
+        Bottleneck {
+            conv1: conv(cin, width, 1, 1, device),
+            bn1: bn(width, device),
+            conv2: conv(width, width, 3, stride, device),
+            bn2: bn(width, device),
+            conv3: conv(width, cout, 1, 1, device),
+            bn3: bn(cout, device),
+            shortcut: shortcut(cin, cout, stride, device),
+        }
+    }
+
+    /// `[B, cin, H, W] -> [B, 4 * width, H / stride, W / stride]`
+    pub fn forward(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
+        let identity = match &self.shortcut {
+            Some(p) => p.forward(x.clone()),
+            None => x.clone(),
+        };
+        let y = relu(self.bn1.forward(self.conv1.forward(x)));
+        let y = relu(self.bn2.forward(self.conv2.forward(y)));
+        let y = self.bn3.forward(self.conv3.forward(y));
+        relu(y + identity)
+    }
+}
+
+/// Either kind of block, chosen at run time by the flavor. (Blocks are built once;
+/// the size difference between the variants costs nothing.)
+#[allow(clippy::large_enum_variant)]
+#[derive(Module, Debug)]
+pub enum Block<B: Backend> {
+    Basic(Basic<B>),
+    Bottleneck(Bottleneck<B>),
+}
+
+impl<B: Backend> Block<B> {
+    pub fn forward(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
+        match self {
+            Block::Basic(b) => b.forward(x),
+            Block::Bottleneck(b) => b.forward(x),
+        }
+    }
+}

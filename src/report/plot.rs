@@ -1,0 +1,170 @@
+//! `curves.png`: loss and accuracy per epoch, train and test, side by side.
+//!
+//! plotters draws into an RGB buffer that the `image` crate encodes. Text needs a font:
+//! one sans-serif face is taken from the system (fontdb); without any, the plot is
+//! drawn without text rather than not at all.
+
+use std::path::Path;
+use std::sync::OnceLock;
+
+use plotters::prelude::*;
+
+use crate::train::EpochRecord;
+
+const W: u32 = 1200;
+const H: u32 = 450;
+
+/// Registers a system sans-serif font with plotters once; false when none exists.
+fn font_available() -> bool {
+    static FONT: OnceLock<bool> = OnceLock::new();
+    *FONT.get_or_init(|| {
+        let mut db = fontdb::Database::new();
+        db.load_system_fonts();
+        let query = fontdb::Query {
+            families: &[fontdb::Family::SansSerif],
+            ..fontdb::Query::default()
+        };
+        let id = db.query(&query).or_else(|| db.faces().next().map(|f| f.id));
+        let Some(data) = id.and_then(|id| db.with_face_data(id, |data, _| data.to_vec())) else {
+            return false;
+        };
+        // plotters keeps fonts for the life of the process.
+        let bytes: &'static [u8] = Box::leak(data.into_boxed_slice());
+        plotters::style::register_font("sans-serif", FontStyle::Normal, bytes).is_ok()
+    })
+}
+
+type Series<'a> = (&'a str, RGBColor, Vec<(f64, f64)>);
+
+pub fn write_curves(path: &Path, history: &[EpochRecord]) -> Result<(), String> {
+    let mut buf = vec![255u8; (W * H * 3) as usize];
+    let text = font_available();
+    {
+        let root = BitMapBackend::with_buffer(&mut buf, (W, H)).into_drawing_area();
+        root.fill(&WHITE).map_err(|e| e.to_string())?;
+        let (left, right) = root.split_horizontally(W / 2);
+        let pts = |f: fn(&EpochRecord) -> f64| -> Vec<(f64, f64)> {
+            history
+                .iter()
+                .map(|r| (r.epoch as f64, f(r)))
+                .filter(|(_, v)| v.is_finite())
+                .collect()
+        };
+        panel(
+            &left,
+            "loss",
+            &[
+                ("train", BLUE, pts(|r| r.train_loss)),
+                ("test", RED, pts(|r| r.test_loss)),
+            ],
+            text,
+        )?;
+        panel(
+            &right,
+            "accuracy",
+            &[
+                ("train", BLUE, pts(|r| r.train_acc)),
+                ("test", RED, pts(|r| r.test_acc)),
+            ],
+            text,
+        )?;
+        root.present().map_err(|e| e.to_string())?;
+    }
+    let img = image::RgbImage::from_raw(W, H, buf).expect("buffer matches the image size");
+    let tmp = path.with_extension("tmp.png");
+    img.save(&tmp).map_err(|e| e.to_string())?;
+    std::fs::rename(&tmp, path).map_err(|e| e.to_string())
+}
+
+fn panel<DB: DrawingBackend>(
+    area: &DrawingArea<DB, plotters::coord::Shift>,
+    title: &str,
+    series: &[Series],
+    text: bool,
+) -> Result<(), String>
+where
+    DB::ErrorType: 'static,
+{
+    let all: Vec<&(f64, f64)> = series.iter().flat_map(|s| s.2.iter()).collect();
+    let x_max = all.iter().map(|p| p.0).fold(1.0, f64::max);
+    let (mut lo, mut hi) = all.iter().fold((f64::MAX, f64::MIN), |(lo, hi), p| {
+        (lo.min(p.1), hi.max(p.1))
+    });
+    if lo > hi {
+        (lo, hi) = (0.0, 1.0);
+    }
+    let pad = ((hi - lo) * 0.05).max(1e-3);
+    let mut builder = ChartBuilder::on(area);
+    builder.margin(15);
+    if text {
+        builder
+            .caption(title, ("sans-serif", 22))
+            .x_label_area_size(35)
+            .y_label_area_size(55);
+    }
+    let mut chart = builder
+        .build_cartesian_2d(0.0..x_max, (lo - pad)..(hi + pad))
+        .map_err(|e| e.to_string())?;
+    let mut mesh = chart.configure_mesh();
+    if text {
+        mesh.x_desc("epoch");
+    } else {
+        mesh.x_labels(0).y_labels(0);
+    }
+    mesh.draw().map_err(|e| e.to_string())?;
+    for (name, color, points) in series {
+        let color = *color;
+        let drawn = chart
+            .draw_series(LineSeries::new(
+                points.iter().copied(),
+                color.stroke_width(2),
+            ))
+            .map_err(|e| e.to_string())?;
+        if text {
+            drawn.label(*name).legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
+            });
+        }
+        chart
+            .draw_series(points.iter().map(|p| Circle::new(*p, 3, color.filled())))
+            .map_err(|e| e.to_string())?;
+    }
+    if text {
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .draw()
+            .map_err(|e| e.to_string())?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn writes_a_png_of_the_expected_size() {
+        let dir = tempfile::tempdir().unwrap();
+        let rec = |epoch: u32, acc: f64| EpochRecord {
+            epoch,
+            step: epoch as u64 * 10,
+            lr: 0.1,
+            train_loss: 1.0 / epoch as f64,
+            train_acc: acc,
+            test_loss: if epoch == 2 {
+                f64::NAN
+            } else {
+                1.2 / epoch as f64
+            },
+            test_acc: if epoch == 2 { f64::NAN } else { acc - 0.05 },
+            img_per_s: 100.0,
+            epoch_time_s: 1.0,
+        };
+        let path = dir.path().join("curves.png");
+        write_curves(&path, &[rec(1, 0.5), rec(2, 0.7), rec(3, 0.8)]).unwrap();
+        let img = image::open(&path).unwrap();
+        assert_eq!((img.width(), img.height()), (W, H));
+    }
+}

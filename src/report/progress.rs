@@ -1,0 +1,157 @@
+//! Progress while training: a bar with img/s and ETA on a terminal, plain lines when
+//! stderr is not one (logs, CI), and a ticker that shows a slow first CUDA step is
+//! compiling kernels rather than hung.
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use indicatif::{ProgressBar, ProgressStyle};
+
+pub struct Progress {
+    bar: Option<ProgressBar>,
+    every: u64,
+    epochs: u32,
+}
+
+impl Progress {
+    /// `every`: plain-line interval in steps.
+    pub fn new(every: u64, epochs: u32) -> Self {
+        Progress {
+            bar: None,
+            every,
+            epochs,
+        }
+        .terminal(std::io::stderr().is_terminal())
+    }
+
+    fn terminal(mut self, yes: bool) -> Self {
+        if yes {
+            let bar = ProgressBar::new(0);
+            bar.set_style(
+                ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} {msg} ETA {eta}")
+                    .expect("static template is valid")
+                    .progress_chars("=> "),
+            );
+            self.bar = Some(bar);
+        }
+        self
+    }
+
+    pub fn start_epoch(&self, epoch: u32, batches: u64, done: u64) {
+        if let Some(bar) = &self.bar {
+            bar.reset();
+            bar.set_length(batches);
+            bar.set_position(done);
+            bar.set_prefix(format!("epoch {}/{}", epoch + 1, self.epochs));
+            bar.set_message("");
+        }
+    }
+
+    /// Called every step; `stats` only when values were read back from the device.
+    pub fn step(
+        &self,
+        epoch: u32,
+        batch: u64,
+        batches: u64,
+        step: u64,
+        stats: Option<(f64, f64, f64)>,
+    ) {
+        match (&self.bar, stats) {
+            (Some(bar), s) => {
+                bar.set_position(batch);
+                if let Some((loss, acc, ips)) = s {
+                    bar.set_message(format!(
+                        "loss {loss:.4} acc {:.2}% {ips:.0} img/s",
+                        acc * 100.0
+                    ));
+                }
+            }
+            (None, Some((loss, acc, ips))) if step.is_multiple_of(self.every) => {
+                eprintln!(
+                    "epoch {}/{} batch {batch}/{batches} step {step}: loss {loss:.4} acc {:.2}% {ips:.0} img/s",
+                    epoch + 1,
+                    self.epochs,
+                    acc * 100.0
+                );
+            }
+            _ => {}
+        }
+    }
+
+    /// Whether step `step` should read metrics back (plain mode reads only on its lines).
+    pub fn wants_stats(&self, step: u64) -> bool {
+        step.is_multiple_of(self.every)
+    }
+
+    pub fn println(&self, line: &str) {
+        match &self.bar {
+            Some(bar) => bar.println(line),
+            None => eprintln!("{line}"),
+        }
+    }
+
+    pub fn finish(&self) {
+        if let Some(bar) = &self.bar {
+            bar.finish_and_clear();
+        }
+    }
+}
+
+/// Prints "still compiling" lines while the first step runs; stops when dropped.
+pub struct Ticker {
+    done: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Ticker {
+    pub fn start(what: String, cache_dir: PathBuf) -> Self {
+        let done = Arc::new(AtomicBool::new(false));
+        let flag = done.clone();
+        let thread = std::thread::spawn(move || {
+            let start = Instant::now();
+            let mut next = Duration::from_secs(10);
+            while !flag.load(Ordering::Relaxed) {
+                std::thread::sleep(Duration::from_millis(200));
+                if start.elapsed() >= next {
+                    eprintln!(
+                        "{what}: {:.0} s so far, {:.1} MB of kernels cached in {}",
+                        start.elapsed().as_secs_f64(),
+                        dir_size(&cache_dir) as f64 / 1e6,
+                        cache_dir.display()
+                    );
+                    next += Duration::from_secs(if next.as_secs() < 60 { 10 } else { 30 });
+                }
+            }
+        });
+        Ticker {
+            done,
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for Ticker {
+    fn drop(&mut self) {
+        self.done.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn dir_size(dir: &std::path::Path) -> u64 {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    entries
+        .filter_map(|e| e.ok())
+        .map(|e| match e.metadata() {
+            Ok(m) if m.is_dir() => dir_size(&e.path()),
+            Ok(m) => m.len(),
+            Err(_) => 0,
+        })
+        .sum()
+}

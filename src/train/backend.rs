@@ -1,0 +1,70 @@
+//! The only module that names concrete backends. Every command that does tensor work
+//! goes through [`with_backend`], so the generic stack is instantiated once per
+//! compiled backend: `Autodiff<Cuda>` and `Autodiff<Flex>` (the CPU).
+
+use std::path::Path;
+
+use burn::backend::Autodiff;
+use burn::backend::flex::{Flex, FlexDevice};
+use burn::tensor::backend::AutodiffBackend;
+
+use crate::device::DevicePlan;
+
+/// Work that runs on whichever backend the plan picks.
+pub trait BackendJob {
+    type Output;
+    fn run<B: AutodiffBackend>(self, devices: Vec<B::Device>) -> Self::Output;
+}
+
+pub fn with_backend<J: BackendJob>(plan: &DevicePlan, kernel_cache: &Path, job: J) -> J::Output {
+    match plan {
+        DevicePlan::Cuda { gpus } => cuda::run(gpus, kernel_cache, job),
+        DevicePlan::Cpu { .. } => job.run::<Autodiff<Flex>>(vec![FlexDevice]),
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use std::path::Path;
+    use std::sync::Once;
+
+    use burn::backend::Autodiff;
+    use burn::backend::cuda::{Cuda, CudaDevice};
+    use burn::cubecl::config::cache::CacheConfig;
+    use burn::cubecl::config::{CubeClRuntimeConfig, RuntimeConfig};
+
+    use super::BackendJob;
+    use crate::device::GpuInfo;
+
+    pub fn run<J: BackendJob>(gpus: &[GpuInfo], kernel_cache: &Path, job: J) -> J::Output {
+        configure(kernel_cache);
+        job.run::<Autodiff<Cuda>>(gpus.iter().map(|g| CudaDevice::new(g.ordinal)).collect())
+    }
+
+    /// Points cubecl's compiled-kernel and autotune caches at `dir` before the first
+    /// device call. (Compiled kernels are not cached at all by default, so every run
+    /// would pay minutes of NVRTC compilation again.) A user's `cubecl.toml` and
+    /// `CUBECL_*` variables still apply to everything else.
+    fn configure(dir: &Path) {
+        static ONCE: Once = Once::new();
+        ONCE.call_once(|| {
+            let _ = std::fs::create_dir_all(dir);
+            let mut cfg = CubeClRuntimeConfig::from_current_dir().override_from_env();
+            cfg.compilation.cache = Some(CacheConfig::File(dir.to_path_buf()));
+            cfg.autotune.cache = CacheConfig::File(dir.to_path_buf());
+            CubeClRuntimeConfig::set(cfg);
+        });
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+mod cuda {
+    use std::path::Path;
+
+    use super::BackendJob;
+    use crate::device::GpuInfo;
+
+    pub fn run<J: BackendJob>(_: &[GpuInfo], _: &Path, _: J) -> J::Output {
+        unreachable!("device::plan never picks CUDA in a build without the `cuda` feature")
+    }
+}

@@ -1,0 +1,18 @@
+//! Burn-generic training: model + optimizer + loss on a backend, the loop, evaluation
+//! and checkpoints. `backend.rs` is the only file that names a concrete backend.
+
+pub mod backend;
+mod checkpoint;
+mod clip;
+mod eval;
+mod loss;
+mod optim;
+mod schedule;
+mod state;
+mod step;
+mod trainer;
+
+pub use checkpoint::CheckpointError;
+pub use eval::{EvalJob, pick_checkpoint};
+pub use state::{EpochRecord, TrainState};
+pub use trainer::{Outcome, TrainError, TrainJob};

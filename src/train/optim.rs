@@ -1,0 +1,74 @@
+//! The optimizer chosen in `[optim]`, behind one type, with its state saved and
+//! loaded through Burn's recorder in full precision.
+
+use std::path::Path;
+
+use burn::module::AutodiffModule;
+use burn::optim::adaptor::OptimizerAdaptor;
+use burn::optim::decay::WeightDecayConfig;
+use burn::optim::momentum::MomentumConfig;
+use burn::optim::{AdamW, AdamWConfig, GradientsParams, Optimizer, Sgd, SgdConfig};
+use burn::record::{BinFileRecorder, FullPrecisionSettings, Recorder, RecorderError};
+use burn::tensor::backend::AutodiffBackend;
+
+use crate::config::{OptimConfig, OptimizerKind};
+
+pub enum Optim<M: AutodiffModule<B>, B: AutodiffBackend> {
+    Sgd(OptimizerAdaptor<Sgd<B::InnerBackend>, M, B>),
+    AdamW(OptimizerAdaptor<AdamW, M, B>),
+}
+
+impl<M: AutodiffModule<B>, B: AutodiffBackend> Optim<M, B> {
+    pub fn new(cfg: &OptimConfig) -> Self {
+        match cfg.name {
+            OptimizerKind::Sgd => {
+                let mut c = SgdConfig::new();
+                if cfg.momentum > 0.0 {
+                    // PyTorch's SGD has no dampening by default; Burn's defaults to 0.1.
+                    c = c.with_momentum(Some(MomentumConfig {
+                        momentum: cfg.momentum,
+                        dampening: 0.0,
+                        nesterov: cfg.nesterov,
+                    }));
+                }
+                if cfg.weight_decay > 0.0 {
+                    c = c.with_weight_decay(Some(WeightDecayConfig::new(cfg.weight_decay as f32)));
+                }
+                Optim::Sgd(c.init())
+            }
+            OptimizerKind::Adamw => Optim::AdamW(
+                AdamWConfig::new()
+                    .with_beta_1(cfg.beta1 as f32)
+                    .with_beta_2(cfg.beta2 as f32)
+                    .with_epsilon(cfg.eps as f32)
+                    .with_weight_decay(cfg.weight_decay as f32)
+                    .init(),
+            ),
+        }
+    }
+
+    pub fn step(&mut self, lr: f64, model: M, grads: GradientsParams) -> M {
+        match self {
+            Optim::Sgd(o) => o.step(lr, model, grads),
+            Optim::AdamW(o) => o.step(lr, model, grads),
+        }
+    }
+
+    /// Writes `stem.bin`.
+    pub fn save(&self, stem: &Path) -> Result<(), RecorderError> {
+        let rec = BinFileRecorder::<FullPrecisionSettings>::new();
+        match self {
+            Optim::Sgd(o) => Recorder::<B>::record(&rec, o.to_record(), stem.to_path_buf()),
+            Optim::AdamW(o) => Recorder::<B>::record(&rec, o.to_record(), stem.to_path_buf()),
+        }
+    }
+
+    /// Reads `stem.bin` onto `device`.
+    pub fn load(self, stem: &Path, device: &B::Device) -> Result<Self, RecorderError> {
+        let rec = BinFileRecorder::<FullPrecisionSettings>::new();
+        Ok(match self {
+            Optim::Sgd(o) => Optim::Sgd(o.load_record(rec.load(stem.to_path_buf(), device)?)),
+            Optim::AdamW(o) => Optim::AdamW(o.load_record(rec.load(stem.to_path_buf(), device)?)),
+        })
+    }
+}
