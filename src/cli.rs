@@ -23,6 +23,8 @@ pub enum Command {
     Eval(EvalArgs),
     /// Show the GPUs kiln can see and how CUDA_VISIBLE_DEVICES maps them.
     Devices(DevicesArgs),
+    /// Measure training throughput on synthetic data (same model and step as `train`).
+    Bench(BenchArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -70,6 +72,40 @@ pub struct EvalArgs {
 #[derive(Debug, clap::Args)]
 pub struct DevicesArgs {
     /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct BenchArgs {
+    /// Start from this config instead of the built-in one (synthetic data, SGD).
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// Override a config key; applied before the options below.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub sets: Vec<String>,
+    /// Network (`model.arch`).
+    #[arg(long, default_value = "resnet18")]
+    pub model: String,
+    /// Image side in pixels (`data.image_size`); the stem follows it (small up to 64 px).
+    #[arg(long, default_value_t = 32)]
+    pub image_size: u32,
+    /// Images per step (`train.batch_size`).
+    #[arg(long, default_value_t = 256)]
+    pub batch: usize,
+    /// Timed steps.
+    #[arg(long, default_value_t = 50)]
+    pub steps: usize,
+    /// Untimed steps after the first two.
+    #[arg(long, default_value_t = 10)]
+    pub warmup: usize,
+    /// Steps timed phase by phase (upload, forward, backward, optimizer).
+    #[arg(long, default_value_t = 10)]
+    pub breakdown_steps: usize,
+    /// Kernel autotuning (`train.autotune`): fast, balanced, extensive or full.
+    #[arg(long)]
+    pub autotune: Option<String>,
+    /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,
 }

@@ -4,7 +4,6 @@ use std::process::ExitCode;
 
 use crate::cli::{EvalArgs, Split, Which};
 use crate::config;
-use crate::device::kernel_cache_dir;
 use crate::exit::UsageError;
 use crate::train::backend::with_backend;
 use crate::train::{EvalJob, pick_checkpoint};
@@ -38,10 +37,10 @@ pub fn run(args: EvalArgs) -> anyhow::Result<ExitCode> {
     );
     let images = loader.num_images();
     let step = state.step;
-    let cache = kernel_cache_dir(&config.devices.cache_dir);
+    let kernels = super::kernel_settings(&config);
     let (loss, acc) = with_backend(
         &plan,
-        &cache,
+        &kernels,
         EvalJob {
             checkpoint: checkpoint.clone(),
             state,

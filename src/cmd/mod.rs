@@ -1,6 +1,7 @@
 //! One entry function per subcommand. This is glue: it resolves paths and plans, then
 //! calls into the library modules; `anyhow` context is added here.
 
+mod bench;
 mod devices;
 mod eval;
 mod train;
@@ -14,6 +15,15 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Train(args) => train::run(args),
         Command::Eval(args) => eval::run(args),
         Command::Devices(args) => devices::run(args),
+        Command::Bench(args) => bench::run(args),
+    }
+}
+
+/// Where kernels are cached and how they are tuned, from the config.
+fn kernel_settings(config: &crate::config::Config) -> crate::train::backend::KernelSettings {
+    crate::train::backend::KernelSettings {
+        cache_dir: crate::device::kernel_cache_dir(&config.devices.cache_dir),
+        autotune: config.train.autotune,
     }
 }
 

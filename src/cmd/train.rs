@@ -9,7 +9,7 @@ use anyhow::Context;
 
 use crate::cli::TrainArgs;
 use crate::config::{self, Config};
-use crate::device::{DevicePlan, kernel_cache_dir};
+use crate::device::DevicePlan;
 use crate::exit::{INTERRUPTED, UsageError};
 use crate::train::backend::with_backend;
 use crate::train::{Outcome, TrainJob};
@@ -69,7 +69,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
     eprintln!("kiln: run dir: {}", run_dir.display());
 
     let interrupt = install_signal_handler();
-    let cache = kernel_cache_dir(&config.devices.cache_dir);
+    let kernels = super::kernel_settings(&config);
     let job = TrainJob {
         config: resolved,
         dataset,
@@ -77,9 +77,9 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
         resume: resume_dir.is_some(),
         devices: plan.device_names(),
         interrupt,
-        kernel_cache: matches!(plan, DevicePlan::Cuda { .. }).then(|| cache.clone()),
+        kernel_cache: matches!(plan, DevicePlan::Cuda { .. }).then(|| kernels.cache_dir.clone()),
     };
-    let (outcome, state) = with_backend(&plan, &cache, job)?;
+    let (outcome, state) = with_backend(&plan, &kernels, job)?;
     let best = state
         .best()
         .map(|(acc, epoch)| format!(", best {:.2}% at epoch {epoch}", acc * 100.0))

@@ -27,7 +27,6 @@ pub fn load(path: &Path, sets: &[String]) -> Result<Config, ConfigError> {
 }
 
 /// Like [`load`], for a config held in memory (`origin` names it in errors).
-#[cfg(test)]
 pub fn load_str(text: &str, origin: &str, sets: &[String]) -> Result<Config, ConfigError> {
     let table: Table = text
         .parse()

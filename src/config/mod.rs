@@ -8,5 +8,5 @@ mod schema;
 
 pub use diff::diff;
 pub use error::ConfigError;
-pub use load::{load, to_toml};
+pub use load::{load, load_str, to_toml};
 pub use schema::*;

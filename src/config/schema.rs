@@ -160,6 +160,21 @@ impl Default for DataConfig {
     }
 }
 
+/// How hard cubecl searches for the fastest kernel of each new shape (CUDA only).
+/// Results are cached, so only the first run on a machine pays for the search.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Autotune {
+    /// cubecl's `minimal`: fewest shape groups, shortest first steps.
+    Fast,
+    /// cubecl's default.
+    Balanced,
+    /// cubecl's `extensive`.
+    Extensive,
+    /// cubecl's `full`: tunes every shape on its own.
+    Full,
+}
+
 /// `[train]`: the loop.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -187,6 +202,8 @@ pub struct TrainConfig {
     pub eval_every_epochs: u32,
     /// Print a progress line every this many steps when stderr is not a terminal.
     pub log_every_steps: u64,
+    /// Kernel autotuning on CUDA; ignored on the CPU.
+    pub autotune: Autotune,
 }
 
 impl Default for TrainConfig {
@@ -201,6 +218,7 @@ impl Default for TrainConfig {
             grad_clip_norm: 0.0,
             eval_every_epochs: 1,
             log_every_steps: 100,
+            autotune: Autotune::Balanced,
         }
     }
 }

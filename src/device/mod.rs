@@ -6,7 +6,7 @@ mod plan;
 mod probe;
 
 pub use plan::{DeviceError, DevicePlan, kernel_cache_dir, plan};
-pub use probe::{GpuInfo, Probe, probe};
+pub use probe::{GpuInfo, Probe, memory_in_use_mib, probe};
 
 /// `CUDA_VISIBLE_DEVICES` as set for this process, if it is.
 pub fn visible_env() -> Option<String> {

@@ -27,8 +27,10 @@ pub enum Probe {
     #[cfg_attr(feature = "cuda", allow(dead_code))]
     NotBuilt,
     /// No usable driver: the library is missing or `cuInit` failed (message says which).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     NoDriver(String),
     /// The driver answered; the list may be empty (e.g. `CUDA_VISIBLE_DEVICES=""`).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     Gpus(Vec<GpuInfo>),
 }
 
@@ -80,6 +82,28 @@ pub fn probe() -> Probe {
         });
     }
     Probe::Gpus(gpus)
+}
+
+/// Device memory in use on GPU `ordinal`, by every process, in MiB (what nvidia-smi
+/// shows). cubecl keeps the memory it reserved, so at the end of a run this is close
+/// to the peak. Uses the primary context cubecl also uses; creates none.
+#[cfg(feature = "cuda")]
+pub fn memory_in_use_mib(ordinal: usize) -> Option<u64> {
+    use cudarc::driver::result;
+    let dev = result::device::get(ordinal as i32).ok()?;
+    // SAFETY: retain/release are paired; the context is the device's primary one.
+    unsafe {
+        let ctx = result::primary_ctx::retain(dev).ok()?;
+        result::ctx::set_current(ctx).ok()?;
+        let info = result::mem_get_info().ok();
+        let _ = result::primary_ctx::release(dev);
+        info.map(|(free, total)| ((total - free) / (1024 * 1024)) as u64)
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+pub fn memory_in_use_mib(_ordinal: usize) -> Option<u64> {
+    None
 }
 
 #[cfg(not(feature = "cuda"))]

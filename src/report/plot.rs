@@ -1,11 +1,11 @@
 //! `curves.png`: loss and accuracy per epoch, train and test, side by side.
 //!
-//! plotters draws into an RGB buffer that the `image` crate encodes. Text needs a font:
-//! one sans-serif face is taken from the system (fontdb); without any, the plot is
-//! drawn without text rather than not at all.
+//! plotters draws into an RGB buffer that the `image` crate encodes, with the DejaVu
+//! Sans font compiled in, so the labels show on machines without any fonts (GPU
+//! containers often have none).
 
 use std::path::Path;
-use std::sync::OnceLock;
+use std::sync::Once;
 
 use plotters::prelude::*;
 
@@ -14,31 +14,19 @@ use crate::train::EpochRecord;
 const W: u32 = 1200;
 const H: u32 = 450;
 
-/// Registers a system sans-serif font with plotters once; false when none exists.
-fn font_available() -> bool {
-    static FONT: OnceLock<bool> = OnceLock::new();
-    *FONT.get_or_init(|| {
-        let mut db = fontdb::Database::new();
-        db.load_system_fonts();
-        let query = fontdb::Query {
-            families: &[fontdb::Family::SansSerif],
-            ..fontdb::Query::default()
-        };
-        let id = db.query(&query).or_else(|| db.faces().next().map(|f| f.id));
-        let Some(data) = id.and_then(|id| db.with_face_data(id, |data, _| data.to_vec())) else {
-            return false;
-        };
-        // plotters keeps fonts for the life of the process.
-        let bytes: &'static [u8] = Box::leak(data.into_boxed_slice());
-        plotters::style::register_font("sans-serif", FontStyle::Normal, bytes).is_ok()
-    })
+fn register_font() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        plotters::style::register_font("sans-serif", FontStyle::Normal, dejavu::sans::regular())
+            .unwrap_or_else(|_| panic!("the bundled DejaVu Sans font should parse"));
+    });
 }
 
 type Series<'a> = (&'a str, RGBColor, Vec<(f64, f64)>);
 
 pub fn write_curves(path: &Path, history: &[EpochRecord]) -> Result<(), String> {
+    register_font();
     let mut buf = vec![255u8; (W * H * 3) as usize];
-    let text = font_available();
     {
         let root = BitMapBackend::with_buffer(&mut buf, (W, H)).into_drawing_area();
         root.fill(&WHITE).map_err(|e| e.to_string())?;
@@ -57,7 +45,6 @@ pub fn write_curves(path: &Path, history: &[EpochRecord]) -> Result<(), String> 
                 ("train", BLUE, pts(|r| r.train_loss)),
                 ("test", RED, pts(|r| r.test_loss)),
             ],
-            text,
         )?;
         panel(
             &right,
@@ -66,7 +53,6 @@ pub fn write_curves(path: &Path, history: &[EpochRecord]) -> Result<(), String> 
                 ("train", BLUE, pts(|r| r.train_acc)),
                 ("test", RED, pts(|r| r.test_acc)),
             ],
-            text,
         )?;
         root.present().map_err(|e| e.to_string())?;
     }
@@ -80,7 +66,6 @@ fn panel<DB: DrawingBackend>(
     area: &DrawingArea<DB, plotters::coord::Shift>,
     title: &str,
     series: &[Series],
-    text: bool,
 ) -> Result<(), String>
 where
     DB::ErrorType: 'static,
@@ -94,24 +79,18 @@ where
         (lo, hi) = (0.0, 1.0);
     }
     let pad = ((hi - lo) * 0.05).max(1e-3);
-    let mut builder = ChartBuilder::on(area);
-    builder.margin(15);
-    if text {
-        builder
-            .caption(title, ("sans-serif", 22))
-            .x_label_area_size(35)
-            .y_label_area_size(55);
-    }
-    let mut chart = builder
+    let mut chart = ChartBuilder::on(area)
+        .margin(15)
+        .caption(title, ("sans-serif", 22))
+        .x_label_area_size(35)
+        .y_label_area_size(55)
         .build_cartesian_2d(0.0..x_max, (lo - pad)..(hi + pad))
         .map_err(|e| e.to_string())?;
-    let mut mesh = chart.configure_mesh();
-    if text {
-        mesh.x_desc("epoch");
-    } else {
-        mesh.x_labels(0).y_labels(0);
-    }
-    mesh.draw().map_err(|e| e.to_string())?;
+    chart
+        .configure_mesh()
+        .x_desc("epoch")
+        .draw()
+        .map_err(|e| e.to_string())?;
     for (name, color, points) in series {
         let color = *color;
         let drawn = chart
@@ -120,23 +99,19 @@ where
                 color.stroke_width(2),
             ))
             .map_err(|e| e.to_string())?;
-        if text {
-            drawn.label(*name).legend(move |(x, y)| {
-                PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
-            });
-        }
+        drawn.label(*name).legend(move |(x, y)| {
+            PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
+        });
         chart
             .draw_series(points.iter().map(|p| Circle::new(*p, 3, color.filled())))
             .map_err(|e| e.to_string())?;
     }
-    if text {
-        chart
-            .configure_series_labels()
-            .background_style(WHITE.mix(0.8))
-            .border_style(BLACK)
-            .draw()
-            .map_err(|e| e.to_string())?;
-    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()
+        .map_err(|e| e.to_string())?;
     Ok(())
 }
 

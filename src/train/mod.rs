@@ -2,6 +2,7 @@
 //! and checkpoints. `backend.rs` is the only file that names a concrete backend.
 
 pub mod backend;
+mod bench;
 mod checkpoint;
 mod clip;
 mod eval;
@@ -12,6 +13,7 @@ mod state;
 mod step;
 mod trainer;
 
+pub use bench::BenchJob;
 pub use checkpoint::CheckpointError;
 pub use eval::{EvalJob, pick_checkpoint};
 pub use state::{EpochRecord, TrainState};

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Waits up to $1 seconds for the pipeline, then hands results and caches back via $OUT.
+set -u
+end=$(( $(date +%s) + ${1:-540} ))
+while [ ! -f /tmp/res/DONE ] && [ "$(date +%s)" -lt "$end" ]; do
+  pgrep -f pipeline.sh > /dev/null || break   # finished or died: report now
+  sleep 5
+done
+tail -n 3 /tmp/res/*.log 2>/dev/null | tail -n 60
+cat /tmp/res/pipeline.log
+tar czf "$OUT/res.tar.gz" -C /tmp res
+[ "${CACHES:-0}" = 1 ] && tar cJf "$OUT/caches.tar.xz" -C /tmp/kcache . && ls -la "$OUT"
+exit 0

@@ -1,0 +1,101 @@
+#!/usr/bin/env python3
+"""PyTorch reference for `kiln bench`: the same network, batch, resolution, optimizer
+and synthetic data, timed the same way (first step, second step, then the mean of
+--steps steps after --warmup, one synchronisation at the end).
+
+torchvision ResNets; at 64 px and below the stem is kiln's `small` stem (3x3 conv,
+stride 1, no max-pool), as kiln's `stem = "auto"` does. Prints one JSON line.
+
+    python3 bench/pytorch_reference.py --model resnet18 --image-size 32 --batch 256
+    python3 bench/pytorch_reference.py --model resnet50 --image-size 224 --batch 256 \
+        --precision bf16 --channels-last
+"""
+import argparse
+import json
+import time
+
+import torch
+import torch.nn as nn
+import torchvision
+
+
+def build(model: str, image_size: int, classes: int) -> nn.Module:
+    net = getattr(torchvision.models, model)(num_classes=classes)
+    if image_size <= 64:
+        net.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
+        net.maxpool = nn.Identity()
+    return net
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="resnet18")
+    p.add_argument("--image-size", type=int, default=32)
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32")
+    p.add_argument("--channels-last", action="store_true")
+    p.add_argument("--compile", action="store_true")
+    args = p.parse_args()
+
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    classes = 1000 if args.image_size > 64 else 10
+    net = build(args.model, args.image_size, classes).to(dev)
+    mem_format = torch.channels_last if args.channels_last else torch.contiguous_format
+    net = net.to(memory_format=mem_format)
+    if args.compile:
+        net = torch.compile(net)
+    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
+    loss_fn = nn.CrossEntropyLoss()
+    # Host batch uploaded every step, like kiln bench.
+    x_host = torch.randn(args.batch, 3, args.image_size, args.image_size).pin_memory()
+    y_host = torch.randint(0, classes, (args.batch,)).pin_memory()
+    dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.precision]
+    scaler = torch.amp.GradScaler("cuda", enabled=args.precision == "fp16")
+
+    def step() -> None:
+        x = x_host.to(dev, non_blocking=True).to(memory_format=mem_format)
+        y = y_host.to(dev, non_blocking=True)
+        with torch.autocast("cuda", dtype=dtype, enabled=dtype is not None):
+            loss = loss_fn(net(x), y)
+        opt.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+
+    def timed() -> float:
+        t = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    first, second = timed(), timed()
+    for _ in range(args.warmup):
+        step()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    torch.cuda.synchronize()
+    step_s = (time.perf_counter() - t) / args.steps
+    print(json.dumps({
+        "framework": f"pytorch {torch.__version__}",
+        "model": args.model,
+        "image_size": args.image_size,
+        "batch": args.batch,
+        "precision": args.precision,
+        "channels_last": args.channels_last,
+        "compile": args.compile,
+        "first_step_s": round(first, 3),
+        "second_step_s": round(second, 3),
+        "step_ms": round(step_s * 1e3, 3),
+        "img_per_s": round(args.batch / step_s, 1),
+        "max_memory_reserved_mib": torch.cuda.max_memory_reserved() // 2**20,
+        "device": torch.cuda.get_device_name(0),
+    }))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+//! `kiln bench`: throughput on synthetic data, beside `bench/pytorch_reference.py`.
+
+use std::process::ExitCode;
+
+use crate::cli::BenchArgs;
+use crate::config::{self, Config};
+use crate::device::{DevicePlan, memory_in_use_mib};
+use crate::train::BenchJob;
+use crate::train::backend::with_backend;
+
+/// The built-in bench config: synthetic images, SGD with momentum, one device.
+const BASE: &str = r#"
+[data]
+dataset = "synthetic"
+synthetic_channels = 3
+num_workers = 1
+[optim]
+name = "sgd"
+lr = 0.01
+momentum = 0.9
+weight_decay = 5e-4
+schedule = "constant"
+"#;
+
+pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
+    let mut sets = args.sets.clone();
+    sets.push(format!("model.arch={}", args.model));
+    sets.push(format!("data.image_size={}", args.image_size));
+    sets.push(format!("train.batch_size={}", args.batch));
+    // One batch is all the bench reads; ImageNet-sized images get ImageNet's classes.
+    sets.push(format!("data.synthetic_train_size={}", args.batch));
+    sets.push("data.synthetic_test_size=1".into());
+    if !args
+        .sets
+        .iter()
+        .any(|s| s.starts_with("data.synthetic_classes"))
+    {
+        let classes = if args.image_size > 64 { 1000 } else { 10 };
+        sets.push(format!("data.synthetic_classes={classes}"));
+    }
+    if let Some(level) = &args.autotune {
+        sets.push(format!("train.autotune={level}"));
+    }
+    let config: Config = match &args.config {
+        Some(path) => config::load(path, &sets)?,
+        None => config::load_str(BASE, "kiln bench defaults", &sets)?,
+    };
+    let plan = super::plan_devices(&config.devices)?;
+    let dataset = crate::data::open(&config.data, config.train.seed)?;
+    let kernels = super::kernel_settings(&config);
+    let report = with_backend(
+        &plan,
+        &kernels,
+        BenchJob {
+            config: config.clone(),
+            dataset,
+            steps: args.steps,
+            warmup: args.warmup,
+            breakdown_steps: args.breakdown_steps,
+        },
+    );
+    let memory = match &plan {
+        DevicePlan::Cuda { gpus } => memory_in_use_mib(gpus[0].ordinal),
+        DevicePlan::Cpu { .. } => None,
+    };
+    let device = plan.device_names().join(", ");
+    if args.json {
+        let mut doc = serde_json::to_value(&report)?;
+        doc["device"] = device.into();
+        doc["memory_in_use_mib"] = memory.into();
+        doc["autotune"] = format!("{:?}", config.train.autotune).to_lowercase().into();
+        println!("{}", serde_json::to_string(&doc)?);
+    } else {
+        let b = &report.breakdown;
+        println!(
+            "kiln bench: {} {}px batch {} on {device}",
+            report.model, report.image_size, report.batch
+        );
+        println!(
+            "  first step        {:>9.2} s   (second {:.2} s)",
+            report.first_step_s, report.second_step_s
+        );
+        println!(
+            "  step              {:>9.2} ms  over {} steps",
+            report.step_ms, report.steps
+        );
+        println!("  throughput        {:>9.0} img/s", report.img_per_s);
+        println!(
+            "  synced phases     upload {:.2} | forward {:.2} | backward {:.2} | optimizer {:.2} = {:.2} ms",
+            b.upload_ms, b.forward_ms, b.backward_ms, b.optimizer_ms, b.total_ms
+        );
+        if let Some(mib) = memory {
+            println!("  device memory in use at the end: {mib} MiB (all processes)");
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}

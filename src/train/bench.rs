@@ -1,0 +1,170 @@
+//! `kiln bench`: training throughput of the same model and step as `kiln train`, on
+//! one synthetic batch kept in host memory (uploaded every step, as a loader's batch
+//! would be), then a step-time breakdown with a device synchronisation after each
+//! phase.
+
+use std::time::Instant;
+
+use burn::optim::GradientsParams;
+use burn::tensor::backend::AutodiffBackend;
+use serde::Serialize;
+
+use super::backend::BackendJob;
+use super::loss::cross_entropy;
+use super::optim::Optim;
+use super::step::{to_device, train_step};
+use crate::config::Config;
+use crate::data::{Batch, Dataset};
+use crate::model::{ModelSpec, ResNet};
+
+pub struct BenchJob {
+    pub config: Config,
+    pub dataset: Dataset,
+    /// Timed steps, after `warmup` untimed ones.
+    pub steps: usize,
+    pub warmup: usize,
+    /// Steps timed phase by phase.
+    pub breakdown_steps: usize,
+}
+
+/// Milliseconds per step, phase by phase, each ended by a device synchronisation.
+#[derive(Debug, Clone, Serialize)]
+pub struct Breakdown {
+    pub upload_ms: f64,
+    pub forward_ms: f64,
+    pub backward_ms: f64,
+    pub optimizer_ms: f64,
+    /// Sum of the phases: above `step_ms` by what synchronising between phases costs.
+    pub total_ms: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct BenchReport {
+    pub model: String,
+    pub image_size: usize,
+    pub batch: usize,
+    /// First step of this process: kernel compilation and autotuning (or cache loading).
+    pub first_step_s: f64,
+    pub second_step_s: f64,
+    pub steps: usize,
+    /// Mean over the timed steps, one synchronisation at the end.
+    pub step_ms: f64,
+    pub img_per_s: f64,
+    pub breakdown: Breakdown,
+}
+
+impl BackendJob for BenchJob {
+    type Output = BenchReport;
+
+    fn run<B: AutodiffBackend>(self, devices: Vec<B::Device>) -> BenchReport {
+        let device = devices
+            .into_iter()
+            .next()
+            .expect("a device plan always holds at least one device");
+        let cfg = &self.config;
+        let shape = self.dataset.shape();
+        let spec = ModelSpec::new(
+            cfg.model.arch,
+            cfg.model.stem,
+            shape.channels,
+            self.dataset.classes.len(),
+            shape.height,
+        );
+        B::seed(&device, cfg.train.seed);
+        let mut model = spec.init::<B>(&device);
+        let mut optim = Optim::<ResNet<B>, B>::new(&cfg.optim);
+        let (loader, _) = self
+            .dataset
+            .loaders(&cfg.data, cfg.train.batch_size, cfg.train.seed);
+        let batch = loader
+            .make(0, &loader.order(0), 0)
+            .expect("synthetic images are made in memory and cannot fail");
+        let lr = cfg.optim.lr;
+        let sync = |d: &B::Device| B::sync(d).expect("the device should synchronise");
+
+        let timed_step = |model: ResNet<B>, optim: &mut Optim<ResNet<B>, B>| {
+            let t = Instant::now();
+            let (m, _) = train_step(model, optim, batch.clone(), lr, &cfg.train, &device);
+            sync(&device);
+            (m, t.elapsed().as_secs_f64())
+        };
+        let (m, first_step_s) = timed_step(model, &mut optim);
+        eprintln!("kiln: first step {first_step_s:.1} s");
+        let (m, second_step_s) = timed_step(m, &mut optim);
+        model = m;
+        for _ in 0..self.warmup {
+            model = train_step(model, &mut optim, batch.clone(), lr, &cfg.train, &device).0;
+        }
+        sync(&device);
+        let t = Instant::now();
+        for _ in 0..self.steps {
+            model = train_step(model, &mut optim, batch.clone(), lr, &cfg.train, &device).0;
+        }
+        sync(&device);
+        let step_s = t.elapsed().as_secs_f64() / self.steps.max(1) as f64;
+
+        let breakdown = breakdown::<B>(
+            model,
+            &mut optim,
+            &batch,
+            lr,
+            cfg,
+            &device,
+            self.breakdown_steps,
+        );
+        BenchReport {
+            model: format!("{:?}", cfg.model.arch).to_lowercase(),
+            image_size: shape.height,
+            batch: batch.labels.len(),
+            first_step_s,
+            second_step_s,
+            steps: self.steps,
+            step_ms: step_s * 1e3,
+            img_per_s: batch.labels.len() as f64 / step_s,
+            breakdown,
+        }
+    }
+}
+
+fn breakdown<B: AutodiffBackend>(
+    mut model: ResNet<B>,
+    optim: &mut Optim<ResNet<B>, B>,
+    batch: &Batch,
+    lr: f64,
+    cfg: &Config,
+    device: &B::Device,
+    steps: usize,
+) -> Breakdown {
+    let sync = || B::sync(device).expect("the device should synchronise");
+    let mut ms = [0f64; 4];
+    for _ in 0..steps {
+        let t = Instant::now();
+        let (images, labels) = to_device::<B>(batch.clone(), device);
+        sync();
+        ms[0] += t.elapsed().as_secs_f64();
+
+        let t = Instant::now();
+        let logits = model.forward(images);
+        let loss = cross_entropy(logits, labels, cfg.train.label_smoothing);
+        sync();
+        ms[1] += t.elapsed().as_secs_f64();
+
+        let t = Instant::now();
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        sync();
+        ms[2] += t.elapsed().as_secs_f64();
+
+        let t = Instant::now();
+        model = optim.step(lr, model, grads);
+        sync();
+        ms[3] += t.elapsed().as_secs_f64();
+    }
+    let per = |v: f64| v * 1e3 / steps.max(1) as f64;
+    Breakdown {
+        upload_ms: per(ms[0]),
+        forward_ms: per(ms[1]),
+        backward_ms: per(ms[2]),
+        optimizer_ms: per(ms[3]),
+        total_ms: per(ms.iter().sum()),
+    }
+}
