@@ -42,6 +42,18 @@ pub struct TrainArgs {
     /// newest run of this config under --output.
     #[arg(long, value_name = "RUN_DIR")]
     pub resume: Option<Option<PathBuf>>,
+    /// Which GPUs to use, overriding `devices.use`: `all`, `auto`, or logical indices
+    /// like `0,1` (after CUDA_VISIBLE_DEVICES).
+    #[arg(long, value_name = "GPUS")]
+    pub devices: Option<String>,
+}
+
+/// `--devices X` as the `--set` it stands for.
+pub fn devices_override(spec: &str) -> String {
+    match spec.trim() {
+        s @ ("all" | "auto") => format!("devices.use={s}"),
+        list => format!("devices.use=[{list}]"),
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -71,6 +83,12 @@ pub struct EvalArgs {
 
 #[derive(Debug, clap::Args)]
 pub struct DevicesArgs {
+    /// Also apply this config's `[devices]` section and show the GPUs it would use.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// Override a config key, e.g. `--set devices.use=auto`.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub sets: Vec<String>,
     /// Print JSON instead of a table.
     #[arg(long)]
     pub json: bool,

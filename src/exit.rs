@@ -25,8 +25,12 @@ pub fn code_for(err: &anyhow::Error) -> ExitCode {
         }
         if let Some(e) = cause.downcast_ref::<DeviceError>() {
             return ExitCode::from(match e {
-                DeviceError::GpuRequired(_) | DeviceError::CudaUnavailable(_) => DEVICE_UNAVAILABLE,
-                DeviceError::BadOrdinal { .. } | DeviceError::NotBuilt => USAGE,
+                // The machine, not the request: may be different on a retry or elsewhere.
+                DeviceError::GpuRequired(_)
+                | DeviceError::CudaUnavailable(_)
+                | DeviceError::NotEnoughMemory { .. }
+                | DeviceError::Unusable { .. } => DEVICE_UNAVAILABLE,
+                _ => USAGE,
             });
         }
         if let Some(e) = cause.downcast_ref::<CheckpointError>() {

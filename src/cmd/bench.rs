@@ -60,7 +60,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         },
     );
     let memory = match &plan {
-        DevicePlan::Cuda { gpus } => memory_in_use_mib(gpus[0].ordinal),
+        DevicePlan::Cuda { gpus, .. } => memory_in_use_mib(gpus[0].ordinal),
         DevicePlan::Cpu { .. } => None,
     };
     let device = plan.device_names().join(", ");

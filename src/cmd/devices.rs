@@ -1,58 +1,154 @@
-//! `kiln devices`: what the CUDA driver shows this process, without starting training.
+//! `kiln devices`: what the CUDA driver and NVML show this process, how
+//! `CUDA_VISIBLE_DEVICES` maps logical to physical GPUs, and (with `--config`) which
+//! GPUs that config would use. Never starts training.
 
 use std::process::ExitCode;
 
 use crate::cli::DevicesArgs;
-use crate::device::{Probe, kernel_cache_dir, probe, visible_env};
+use crate::config::{self, Config};
+use crate::device::{DeviceEnv, Inventory, Probe, apply_visible, kernel_cache_dir, plan};
 
 pub fn run(args: DevicesArgs) -> anyhow::Result<ExitCode> {
-    let probe = probe();
-    let env = visible_env();
-    let cache = kernel_cache_dir("");
+    let config = match &args.config {
+        Some(path) => Some(config::load(path, &args.sets)?),
+        None if !args.sets.is_empty() => Some(config::load_str("", "--set", &args.sets)?),
+        None => None,
+    };
+    let devices = config
+        .as_ref()
+        .map(|c: &Config| c.devices.clone())
+        .unwrap_or_default();
+    let env = apply_visible(&devices, DeviceEnv::read())?;
+    let inv = Inventory::read();
+    let warnings = inv.visible_warnings(&env);
+    let planned = config.as_ref().map(|_| plan(&devices, &env, &inv));
+    let cache = kernel_cache_dir(&devices.cache_dir);
+
     if args.json {
-        let (status, gpus) = match &probe {
+        let (driver, gpus) = match &inv.probe {
             Probe::NotBuilt => ("built without cuda".to_string(), vec![]),
             Probe::NoDriver(why) => (why.clone(), vec![]),
             Probe::Gpus(g) => ("ok".to_string(), g.clone()),
         };
-        let doc = serde_json::json!({
-            "cuda_visible_devices": env,
-            "driver": status,
+        let (nvml_status, physical, links) = match &inv.nvml {
+            Ok(s) => ("ok".to_string(), s.gpus.clone(), s.links.clone()),
+            Err(e) => (e.clone(), vec![], vec![]),
+        };
+        let mut doc = serde_json::json!({
+            "cuda_visible_devices": env.visible,
+            "source": env.source(),
+            "misspelt_variables": env.typos,
+            "driver": driver,
             "gpus": gpus,
+            "nvml": nvml_status,
+            "physical_gpus": physical,
+            "links": links,
+            "warnings": warnings,
             "kernel_cache": cache,
         });
+        if let Some(p) = &planned {
+            doc["plan"] = match p {
+                Ok((plan, notes)) => {
+                    serde_json::json!({ "devices": plan.device_names(), "notes": notes })
+                }
+                Err(e) => serde_json::json!({ "error": e.to_string() }),
+            };
+        }
         println!("{}", serde_json::to_string_pretty(&doc)?);
         return Ok(ExitCode::SUCCESS);
     }
-    match &env {
-        Some(v) => println!("CUDA_VISIBLE_DEVICES={v:?} (logical indices below follow it)"),
-        None => println!("CUDA_VISIBLE_DEVICES is not set: every GPU is visible"),
+
+    println!("{}", env.source());
+    for (name, value) in &env.typos {
+        println!("warning: {name}={value:?} is set, but CUDA reads CUDA_VISIBLE_DEVICES");
     }
-    match probe {
+    for w in &warnings {
+        println!("warning: {w}");
+    }
+    match &inv.probe {
         Probe::NotBuilt => {
             println!("this kiln was built without the `cuda` feature; training runs on the CPU")
         }
         Probe::NoDriver(why) => println!("no usable CUDA driver: {why}; training runs on the CPU"),
         Probe::Gpus(gpus) if gpus.is_empty() => {
-            println!("the driver sees no GPU; training runs on the CPU")
+            println!("the driver shows no GPU to this process; training runs on the CPU")
         }
         Probe::Gpus(gpus) => {
             println!(
-                "{:<6} {:<24} {:<16} {:>10}  {:<5} uuid",
-                "cuda", "name", "pci bus", "memory", "cc"
+                "{:<5} {:<8} {:<22} {:<17} {:>19} {:>5}  {:<4} uuid / processes",
+                "cuda", "physical", "name", "pci bus", "free / total MiB", "util", "cc"
             );
             for g in gpus {
+                let (phys, mem, util, procs) = match &g.physical {
+                    Some(p) => (
+                        p.index.to_string(),
+                        format!("{} / {}", p.free_mib, p.total_mib),
+                        p.utilization_pct
+                            .map(|u| format!("{u}%"))
+                            .unwrap_or_else(|| "?".into()),
+                        p.processes
+                            .iter()
+                            .map(|(pid, name, mib)| format!("{name}:{pid} {mib} MiB"))
+                            .collect::<Vec<_>>()
+                            .join(", "),
+                    ),
+                    None => (
+                        "?".into(),
+                        format!("? / {}", g.total_mib),
+                        "?".into(),
+                        String::new(),
+                    ),
+                };
                 println!(
-                    "{:<6} {:<24} {:<16} {:>6} MiB  {}.{}   {}",
+                    "{:<5} {:<8} {:<22} {:<17} {:>19} {:>5}  {}.{}  {} {}",
                     g.ordinal,
+                    phys,
                     g.name,
                     g.pci_bus_id,
-                    g.total_mib,
+                    mem,
+                    util,
                     g.compute_capability.0,
                     g.compute_capability.1,
-                    g.uuid
+                    g.uuid,
+                    procs
                 );
             }
+        }
+    }
+    match &inv.nvml {
+        Ok(snap) => {
+            let shown: Vec<usize> = inv
+                .gpus()
+                .iter()
+                .filter_map(|g| g.physical.as_ref().map(|p| p.index))
+                .collect();
+            let hidden: Vec<String> = snap
+                .gpus
+                .iter()
+                .filter(|p| !shown.contains(&p.index))
+                .map(|p| format!("{} ({}, {})", p.index, p.name, p.pci_bus_id))
+                .collect();
+            if !hidden.is_empty() {
+                println!(
+                    "not visible to this process (NVML): physical GPU {}",
+                    hidden.join(", ")
+                );
+            }
+            for (a, b, link) in &snap.links {
+                println!("link: physical GPU {a} <-> {b}: {link:?}");
+            }
+        }
+        Err(e) => println!("NVML: {e} (physical indices, free memory and processes unknown)"),
+    }
+    if let Some(p) = planned {
+        match p {
+            Ok((plan, notes)) => {
+                for n in notes {
+                    println!("warning: {n}");
+                }
+                println!("this config would use: {}", plan.describe());
+            }
+            Err(e) => println!("this config cannot run: {e}"),
         }
     }
     println!("kernel cache: {}", cache.display());

@@ -27,13 +27,37 @@ fn kernel_settings(config: &crate::config::Config) -> crate::train::backend::Ker
     }
 }
 
-/// Probes the driver and resolves `[devices]`, printing where training runs and why.
+/// Applies `devices.visible`, probes the driver and NVML, and resolves `[devices]`,
+/// printing where the work runs and why.
 fn plan_devices(cfg: &crate::config::DevicesConfig) -> anyhow::Result<crate::device::DevicePlan> {
-    use crate::device::{DevicePlan, plan, probe, visible_env};
-    let env = visible_env();
-    let plan = plan(cfg, &probe(), env.as_deref())?;
+    use crate::config::BackendChoice;
+    use crate::device::{DeviceEnv, DevicePlan, Inventory, Probe, apply_visible, plan};
+    let env = apply_visible(cfg, DeviceEnv::read())?;
+    let inventory = if cfg.backend == BackendChoice::Cpu {
+        // The CPU was asked for: do not touch the driver at all.
+        Inventory::assemble(Probe::Gpus(Vec::new()), Err("not probed".into()))
+    } else {
+        Inventory::read()
+    };
+    let (plan, notes) = plan(cfg, &env, &inventory)?;
+    for note in notes {
+        eprintln!("kiln: warning: {note}");
+    }
     match &plan {
-        DevicePlan::Cuda { .. } => eprintln!("kiln: device: {}", plan.describe()),
+        DevicePlan::Cuda { gpus, reason } => {
+            eprintln!(
+                "kiln: devices: {} ({reason}; {})",
+                plan.describe(),
+                env.source()
+            );
+            if gpus.len() > 1 {
+                eprintln!(
+                    "kiln: warning: {} GPUs chosen, but kiln runs on one GPU until the data-parallel learner lands; using the main device cuda:{}",
+                    gpus.len(),
+                    gpus[0].ordinal
+                );
+            }
+        }
         DevicePlan::Cpu { reason } => eprintln!("kiln: training on the CPU: {reason}"),
     }
     Ok(plan)

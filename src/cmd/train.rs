@@ -32,6 +32,10 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
         Some(None) => Some(newest_run(&args)?),
         Some(Some(p)) => Some(p.clone()),
     };
+    let mut args = args;
+    if let Some(spec) = &args.devices {
+        args.sets.push(crate::cli::devices_override(spec));
+    }
     let (config, name) = load_config(&args, resume_dir.as_deref())?;
 
     let run_dir = match &resume_dir {

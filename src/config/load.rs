@@ -46,7 +46,15 @@ fn resolve(mut table: Table, origin: &str, sets: &[String]) -> Result<Config, Co
     let schema = schema_tree();
     check_known(&table, &schema, "", origin)?;
     for arg in sets {
-        let (key, value) = parse_set(arg)?;
+        let (key, mut value) = parse_set(arg)?;
+        // A string key takes the text as written: `devices.visible=1` means "1".
+        if let (Some(Value::String(_)), false) = (lookup(&schema, &key), value.is_str()) {
+            let raw = arg
+                .split_once('=')
+                .map(|(_, v)| v.trim())
+                .unwrap_or_default();
+            value = Value::String(raw.to_string());
+        }
         check_set_key(&key, &schema, arg)?;
         insert(&mut table, &key, value).map_err(|reason| ConfigError::BadSet {
             arg: arg.clone(),
@@ -330,6 +338,18 @@ mod tests {
         .unwrap();
         assert_eq!(c.optim.step_milestones, vec![2, 4]);
         assert_eq!(c.data.root, "a b");
+    }
+
+    #[test]
+    fn set_of_a_string_key_keeps_the_text_as_written() {
+        let c = load_str(
+            "",
+            "t.toml",
+            &sets(&["devices.visible=1", "data.root=2024"]),
+        )
+        .unwrap();
+        assert_eq!(c.devices.visible, "1");
+        assert_eq!(c.data.root, "2024");
     }
 
     #[test]

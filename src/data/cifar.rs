@@ -123,8 +123,8 @@ pub fn write_batch(path: &Path, labels: &[u8]) {
 mod tests {
     use super::*;
 
-    fn fixture() -> tempfile::TempDir {
-        let dir = tempfile::tempdir().unwrap();
+    fn fixture() -> crate::test_util::TempDir {
+        let dir = crate::test_util::tempdir();
         let sub = dir.path().join("cifar-10-batches-bin");
         std::fs::create_dir(&sub).unwrap();
         for i in 1..=5 {
@@ -172,7 +172,7 @@ mod tests {
 
     #[test]
     fn missing_archive_says_where_to_get_it() {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = crate::test_util::tempdir();
         let msg = locate(dir.path()).unwrap_err().to_string();
         assert!(msg.contains("cifar-10-binary.tar.gz"), "{msg}");
     }

@@ -207,8 +207,8 @@ pub fn write_split(root: &Path, prefix: &str, side: usize, pixels: &[u8], labels
 mod tests {
     use super::*;
 
-    fn fixture(gz: bool) -> tempfile::TempDir {
-        let dir = tempfile::tempdir().unwrap();
+    fn fixture(gz: bool) -> crate::test_util::TempDir {
+        let dir = crate::test_util::tempdir();
         let pixels: Vec<u8> = (0..4 * 16).map(|i| i as u8).collect();
         write_split(dir.path(), "train", 4, &pixels, &[0, 1, 2, 9], gz);
         dir
@@ -293,7 +293,7 @@ mod tests {
 
     #[test]
     fn out_of_range_label_is_reported() {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = crate::test_util::tempdir();
         write_split(dir.path(), "train", 2, &[0; 8], &[0, 10], false);
         let msg = read_split(dir.path(), "train", 10).unwrap_err().to_string();
         assert!(msg.contains("label 10 at index 1"), "{msg}");

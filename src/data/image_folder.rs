@@ -196,8 +196,8 @@ mod tests {
         img.save(path).unwrap();
     }
 
-    fn fixture() -> tempfile::TempDir {
-        let dir = tempfile::tempdir().unwrap();
+    fn fixture() -> crate::test_util::TempDir {
+        let dir = crate::test_util::tempdir();
         for split in ["train", "test"] {
             for (c, class) in ["cat", "dog"].iter().enumerate() {
                 let d = dir.path().join(split).join(class);
@@ -267,7 +267,7 @@ mod tests {
             "{msg}"
         );
 
-        let empty = tempfile::tempdir().unwrap();
+        let empty = crate::test_util::tempdir();
         std::fs::create_dir_all(empty.path().join("train/cat")).unwrap();
         std::fs::create_dir_all(empty.path().join("test")).unwrap();
         let c = classes(empty.path()).unwrap();
@@ -294,7 +294,7 @@ mod tests {
 
     #[test]
     fn missing_train_folder_explains_the_layout() {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = crate::test_util::tempdir();
         let msg = classes(dir.path()).unwrap_err().to_string();
         assert!(msg.contains("ROOT/train/CLASS"), "{msg}");
     }

@@ -1,18 +1,23 @@
-//! Turning `[devices]` plus what the probe found into a [`DevicePlan`]: which backend
-//! and which GPU, or the CPU and why. Pure: takes the probe result as a value.
+//! Turning `[devices]`, the environment and what the driver and NVML report into a
+//! [`DevicePlan`]: which GPUs, which is the main one, and why; or the CPU and why.
+//! Pure: everything it looks at is passed in as values, so tests use fakes.
 
 use std::path::PathBuf;
 
 use crate::config::{BackendChoice, DevicesConfig};
 
+use super::env::DeviceEnv;
+use super::nvml::NvmlSnapshot;
 use super::probe::{GpuInfo, Probe};
+use super::select::choose;
+use super::visible::{Physical, resolve};
 
 /// Where training runs, resolved.
 #[derive(Debug, Clone, PartialEq)]
 pub enum DevicePlan {
-    /// Train on these GPUs (logical CUDA indices); the first one is the main device.
-    Cuda { gpus: Vec<GpuInfo> },
-    /// Train on the CPU backend; `reason` is shown to the user.
+    /// These GPUs, the main device first.
+    Cuda { gpus: Vec<GpuInfo>, reason: String },
+    /// The CPU backend; `reason` is shown to the user.
     Cpu { reason: String },
 }
 
@@ -20,23 +25,28 @@ impl DevicePlan {
     /// One line for the log: what runs where.
     pub fn describe(&self) -> String {
         match self {
-            DevicePlan::Cuda { gpus } => gpus
+            DevicePlan::Cuda { gpus, .. } => gpus
                 .iter()
                 .map(|g| {
+                    let physical = g
+                        .physical
+                        .as_ref()
+                        .map(|p| format!("physical GPU {}, ", p.index))
+                        .unwrap_or_default();
                     format!(
-                        "cuda:{} {} ({} MiB, {})",
-                        g.ordinal, g.name, g.total_mib, g.pci_bus_id
+                        "cuda:{} {} ({physical}{}, {} MiB)",
+                        g.ordinal, g.name, g.pci_bus_id, g.total_mib
                     )
                 })
                 .collect::<Vec<_>>()
-                .join(", "),
+                .join("; "),
             DevicePlan::Cpu { .. } => "cpu (Burn Flex backend)".to_string(),
         }
     }
 
     pub fn device_names(&self) -> Vec<String> {
         match self {
-            DevicePlan::Cuda { gpus } => gpus
+            DevicePlan::Cuda { gpus, .. } => gpus
                 .iter()
                 .map(|g| format!("cuda:{} {}", g.ordinal, g.name))
                 .collect(),
@@ -53,53 +63,196 @@ pub enum DeviceError {
         "devices.require_gpu = true but no GPU can be used: {0}; set devices.require_gpu = false to train on the CPU"
     )]
     GpuRequired(String),
-    #[error("devices.main = {main} is not a visible GPU: {visible}")]
-    BadOrdinal { main: usize, visible: String },
     #[error(
         "devices.backend = \"cuda\" but this kiln was built without CUDA; rebuild with `cargo build --release` (the `cuda` feature is on by default)"
     )]
     NotBuilt,
+    #[error("devices.use names cuda:{id}, which is not visible; visible: {visible}{hint}")]
+    NotVisible {
+        id: usize,
+        visible: String,
+        hint: String,
+    },
+    #[error("devices.use names cuda:{id} more than once")]
+    Duplicate { id: usize },
+    #[error("devices.min_free_mib = {need_mib} MiB is not available: {gpus}")]
+    NotEnoughMemory { need_mib: u64, gpus: String },
+    #[error(
+        "devices.use = \"auto\" needs NVML to read free memory, and NVML is not available; name the GPUs in devices.use"
+    )]
+    AutoNeedsNvml,
+    #[error("devices.main = {main} but only {count} GPU(s) are used; it is a position in the used GPUs, 0 to {}", count - 1)]
+    MainOutOfRange { main: usize, count: usize },
+    #[error(
+        "{name}={value:?} is set, but CUDA reads CUDA_VISIBLE_DEVICES, which is not set, so every GPU would be used; rename it to CUDA_VISIBLE_DEVICES (or unset it)"
+    )]
+    Typo { name: String, value: String },
+    #[error(
+        "devices.visible = {config:?} but CUDA_VISIBLE_DEVICES={env:?} is already set in the environment; remove one of them"
+    )]
+    VisibleConflict { config: String, env: String },
+    #[error(
+        "devices.visible = {value:?}: {entry:?} is not a GPU index, a GPU-… UUID or a MIG-… instance; expected e.g. \"1,3\""
+    )]
+    BadVisible { value: String, entry: String },
+    #[error("cuda:{ordinal} ({name}) cannot be used: {reason}")]
+    Unusable {
+        ordinal: usize,
+        name: String,
+        reason: String,
+    },
 }
 
-/// Resolves the plan. `visible_env` is the raw `CUDA_VISIBLE_DEVICES`, for messages only.
+/// Everything the planner knows about the machine.
+#[derive(Debug, Clone)]
+pub struct Inventory {
+    pub probe: Probe,
+    pub nvml: Result<NvmlSnapshot, String>,
+}
+
+impl Inventory {
+    /// Asks the driver and NVML (CUDA builds); links each CUDA device to its NVML entry by PCI bus id.
+    pub fn read() -> Self {
+        Self::assemble(super::probe::probe(), super::nvml::snapshot())
+    }
+
+    pub fn assemble(mut probe: Probe, nvml: Result<NvmlSnapshot, String>) -> Self {
+        if let (Probe::Gpus(gpus), Ok(snap)) = (&mut probe, &nvml) {
+            for g in gpus.iter_mut() {
+                g.physical = snap.by_bus_id(&g.pci_bus_id).cloned();
+            }
+        }
+        Inventory { probe, nvml }
+    }
+
+    pub fn gpus(&self) -> &[GpuInfo] {
+        match &self.probe {
+            Probe::Gpus(g) => g,
+            _ => &[],
+        }
+    }
+
+    /// Why `CUDA_VISIBLE_DEVICES` shows fewer GPUs than it seems to ask for.
+    pub fn visible_warnings(&self, env: &DeviceEnv) -> Vec<String> {
+        match (&env.visible, &self.nvml) {
+            (Some(raw), Ok(snap)) => {
+                let physical: Vec<Physical> = snap
+                    .gpus
+                    .iter()
+                    .map(|g| Physical {
+                        index: g.index,
+                        uuid: g.uuid.clone(),
+                    })
+                    .collect();
+                resolve(raw, &physical).warnings
+            }
+            _ => Vec::new(),
+        }
+    }
+}
+
+/// The plan, plus warnings worth showing.
 pub fn plan(
     cfg: &DevicesConfig,
-    probe: &Probe,
-    visible_env: Option<&str>,
-) -> Result<DevicePlan, DeviceError> {
-    let why_none = match probe {
+    env: &DeviceEnv,
+    inv: &Inventory,
+) -> Result<(DevicePlan, Vec<String>), DeviceError> {
+    let mut notes = inv.visible_warnings(env);
+    if let Some((name, value)) = env.typos.first() {
+        if env.visible.is_none() && cfg.backend != BackendChoice::Cpu {
+            return Err(DeviceError::Typo {
+                name: name.clone(),
+                value: value.clone(),
+            });
+        }
+        notes.push(format!(
+            "{name}={value:?} is set but has no effect; CUDA reads CUDA_VISIBLE_DEVICES"
+        ));
+    }
+    let why_none = match &inv.probe {
         Probe::NotBuilt => "this kiln was built without the `cuda` feature".to_string(),
         Probe::NoDriver(why) => why.clone(),
-        Probe::Gpus(g) if g.is_empty() => match visible_env {
+        Probe::Gpus(g) if g.is_empty() => match &env.visible {
             Some(v) => format!("the driver sees no GPU (CUDA_VISIBLE_DEVICES={v:?})"),
             None => "the driver sees no GPU".to_string(),
         },
         Probe::Gpus(_) => String::new(),
     };
-    match (cfg.backend, probe) {
-        (BackendChoice::Cpu, _) => Ok(DevicePlan::Cpu {
+    let gpus = inv.gpus();
+    let plan = match (cfg.backend, &inv.probe) {
+        (BackendChoice::Cpu, _) => DevicePlan::Cpu {
             reason: "devices.backend = \"cpu\"".into(),
-        }),
-        (BackendChoice::Cuda, Probe::NotBuilt) => Err(DeviceError::NotBuilt),
-        (_, Probe::Gpus(gpus)) if !gpus.is_empty() => {
-            let Some(main) = gpus.iter().find(|g| g.ordinal == cfg.main) else {
-                let visible = gpus
-                    .iter()
-                    .map(|g| format!("cuda:{} ({})", g.ordinal, g.name))
-                    .collect::<Vec<_>>()
-                    .join(", ");
-                return Err(DeviceError::BadOrdinal {
+        },
+        (BackendChoice::Cuda, Probe::NotBuilt) => return Err(DeviceError::NotBuilt),
+        (_, Probe::Gpus(_)) if !gpus.is_empty() => {
+            let choice = choose(
+                &cfg.select,
+                cfg.count,
+                cfg.min_free_mib,
+                gpus,
+                inv.nvml.as_ref().ok(),
+                env.visible.as_deref(),
+            )?;
+            if cfg.main >= choice.ordinals.len() {
+                return Err(DeviceError::MainOutOfRange {
                     main: cfg.main,
-                    visible,
+                    count: choice.ordinals.len(),
                 });
-            };
-            Ok(DevicePlan::Cuda {
-                gpus: vec![main.clone()],
-            })
+            }
+            let mut chosen: Vec<GpuInfo> = choice
+                .ordinals
+                .iter()
+                .map(|o| {
+                    gpus.iter()
+                        .find(|g| g.ordinal == *o)
+                        .expect("choose returns visible GPUs")
+                        .clone()
+                })
+                .collect();
+            for g in &chosen {
+                check_usable(g)?;
+            }
+            chosen.swap(0, cfg.main);
+            DevicePlan::Cuda {
+                gpus: chosen,
+                reason: choice.reason,
+            }
         }
-        (BackendChoice::Cuda, _) => Err(DeviceError::CudaUnavailable(why_none)),
-        (BackendChoice::Auto, _) if cfg.require_gpu => Err(DeviceError::GpuRequired(why_none)),
-        (BackendChoice::Auto, _) => Ok(DevicePlan::Cpu { reason: why_none }),
+        (BackendChoice::Cuda, _) => return Err(DeviceError::CudaUnavailable(why_none)),
+        (BackendChoice::Auto, _) if cfg.require_gpu => {
+            return Err(DeviceError::GpuRequired(why_none));
+        }
+        (BackendChoice::Auto, _) => DevicePlan::Cpu { reason: why_none },
+    };
+    Ok((plan, notes))
+}
+
+/// A GPU in a compute mode that refuses this process is named with the reason.
+fn check_usable(g: &GpuInfo) -> Result<(), DeviceError> {
+    let Some(p) = &g.physical else {
+        return Ok(());
+    };
+    let reason = match p.compute_mode.as_str() {
+        "Prohibited" => {
+            Some("its compute mode is Prohibited (no CUDA contexts allowed)".to_string())
+        }
+        "ExclusiveProcess" if !p.processes.is_empty() => Some(format!(
+            "it is in exclusive-process mode and held by {}",
+            p.processes
+                .iter()
+                .map(|(pid, name, _)| format!("{name} (pid {pid})"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        )),
+        _ => None,
+    };
+    match reason {
+        Some(reason) => Err(DeviceError::Unusable {
+            ordinal: g.ordinal,
+            name: g.name.clone(),
+            reason,
+        }),
+        None => Ok(()),
     }
 }
 
@@ -126,95 +279,168 @@ pub fn kernel_cache_dir(configured: &str) -> PathBuf {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::Selection;
+    use crate::device::nvml::PhysicalGpu;
 
-    fn gpu(ordinal: usize) -> GpuInfo {
-        GpuInfo {
-            ordinal,
+    fn physical(index: usize) -> PhysicalGpu {
+        PhysicalGpu {
+            index,
+            uuid: format!("GPU-{index}{index}{index}{index}-aaaa"),
             name: "NVIDIA H200".into(),
-            uuid: format!("GPU-{ordinal}"),
-            pci_bus_id: format!("00000000:0{ordinal}:00.0"),
+            pci_bus_id: format!("00000000:0{index}:00.0"),
             total_mib: 143_771,
-            compute_capability: (9, 0),
+            free_mib: 143_000,
+            utilization_pct: Some(0),
+            compute_mode: "Default".into(),
+            processes: vec![],
         }
     }
 
-    fn cfg(backend: BackendChoice, require_gpu: bool, main: usize) -> DevicesConfig {
-        DevicesConfig {
-            backend,
-            require_gpu,
-            main,
-            ..DevicesConfig::default()
+    /// A two-GPU machine seen through `CUDA_VISIBLE_DEVICES = visible` (physical indices).
+    fn machine(visible: &[usize]) -> Inventory {
+        let snap = NvmlSnapshot {
+            gpus: vec![physical(0), physical(1)],
+            links: vec![],
+        };
+        let gpus = visible
+            .iter()
+            .enumerate()
+            .map(|(ordinal, &p)| GpuInfo {
+                ordinal,
+                name: "NVIDIA H200".into(),
+                uuid: physical(p).uuid,
+                pci_bus_id: physical(p).pci_bus_id,
+                total_mib: 143_771,
+                compute_capability: (9, 0),
+                physical: None,
+            })
+            .collect();
+        Inventory::assemble(Probe::Gpus(gpus), Ok(snap))
+    }
+
+    fn env(visible: Option<&str>, typos: &[(&str, &str)]) -> DeviceEnv {
+        DeviceEnv {
+            visible: visible.map(String::from),
+            typos: typos
+                .iter()
+                .map(|(a, b)| (a.to_string(), b.to_string()))
+                .collect(),
+            slurm: vec![],
+        }
+    }
+
+    fn cfg() -> DevicesConfig {
+        DevicesConfig::default()
+    }
+
+    fn physical_of(plan: &DevicePlan) -> Vec<usize> {
+        match plan {
+            DevicePlan::Cuda { gpus, .. } => gpus
+                .iter()
+                .map(|g| g.physical.as_ref().unwrap().index)
+                .collect(),
+            DevicePlan::Cpu { .. } => vec![],
         }
     }
 
     #[test]
-    fn auto_without_driver_falls_back_to_cpu_and_says_why() {
-        let p = plan(
-            &cfg(BackendChoice::Auto, false, 0),
-            &Probe::NoDriver("no libcuda".into()),
-            None,
+    fn cuda_devices_are_matched_to_nvml_by_bus_id_not_index() {
+        // CUDA_VISIBLE_DEVICES=1,0: cuda:0 is physical 1.
+        let (p, _) = plan(&cfg(), &env(Some("1,0"), &[]), &machine(&[1, 0])).unwrap();
+        assert_eq!(physical_of(&p), vec![1, 0]);
+        let mut c = cfg();
+        c.select = Selection::List(vec![1]);
+        let (p, _) = plan(&c, &env(Some("0,1"), &[]), &machine(&[0, 1])).unwrap();
+        assert_eq!(physical_of(&p), vec![1]);
+    }
+
+    #[test]
+    fn main_device_comes_first() {
+        let mut c = cfg();
+        c.main = 1;
+        let (p, _) = plan(&c, &env(None, &[]), &machine(&[0, 1])).unwrap();
+        assert_eq!(physical_of(&p), vec![1, 0]);
+        c.select = Selection::List(vec![0]);
+        assert!(matches!(
+            plan(&c, &env(None, &[]), &machine(&[0, 1])),
+            Err(DeviceError::MainOutOfRange { .. })
+        ));
+    }
+
+    #[test]
+    fn an_out_of_range_visible_entry_explains_the_cpu_fallback() {
+        let (p, notes) = plan(&cfg(), &env(Some("5"), &[]), &machine(&[])).unwrap();
+        let DevicePlan::Cpu { reason } = p else {
+            panic!("expected the CPU")
+        };
+        assert!(reason.contains("CUDA_VISIBLE_DEVICES=\"5\""), "{reason}");
+        assert!(
+            notes[0].contains("GPU 5 does not exist (this machine has GPUs 0, 1)"),
+            "{notes:?}"
+        );
+    }
+
+    #[test]
+    fn a_misspelt_variable_is_an_error_when_the_real_one_is_unset() {
+        let e = plan(
+            &cfg(),
+            &env(None, &[("CUDA_VISBLE_DEVICES", "1")]),
+            &machine(&[0, 1]),
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("CUDA_VISBLE_DEVICES=\"1\""), "{e}");
+        let (_, notes) = plan(
+            &cfg(),
+            &env(Some("1"), &[("CUDA_VISBLE_DEVICES", "1")]),
+            &machine(&[1]),
         )
         .unwrap();
+        assert!(
+            notes.iter().any(|n| n.contains("has no effect")),
+            "{notes:?}"
+        );
+    }
+
+    #[test]
+    fn no_driver_falls_back_to_cpu_unless_a_gpu_is_required() {
+        let inv = Inventory::assemble(Probe::NoDriver("no libcuda".into()), Err("no NVML".into()));
+        let (p, _) = plan(&cfg(), &env(None, &[]), &inv).unwrap();
         assert_eq!(
             p,
             DevicePlan::Cpu {
                 reason: "no libcuda".into()
             }
         );
+        let mut c = cfg();
+        c.require_gpu = true;
+        assert!(matches!(
+            plan(&c, &env(None, &[]), &inv),
+            Err(DeviceError::GpuRequired(_))
+        ));
+        c.backend = BackendChoice::Cuda;
+        assert!(matches!(
+            plan(&c, &env(None, &[]), &inv),
+            Err(DeviceError::CudaUnavailable(_))
+        ));
+        c.backend = BackendChoice::Cpu;
+        assert!(matches!(
+            plan(&c, &env(None, &[]), &inv).unwrap().0,
+            DevicePlan::Cpu { .. }
+        ));
     }
 
     #[test]
-    fn empty_visible_set_is_named_in_the_reason() {
-        let p = plan(
-            &cfg(BackendChoice::Auto, false, 0),
-            &Probe::Gpus(vec![]),
-            Some(""),
-        )
-        .unwrap();
-        let DevicePlan::Cpu { reason } = p else {
-            panic!("expected cpu")
-        };
-        assert!(reason.contains("CUDA_VISIBLE_DEVICES=\"\""), "{reason}");
-    }
-
-    #[test]
-    fn require_gpu_turns_the_fallback_into_an_error() {
-        let err = plan(
-            &cfg(BackendChoice::Auto, true, 0),
-            &Probe::Gpus(vec![]),
-            None,
-        )
-        .unwrap_err();
-        assert!(matches!(err, DeviceError::GpuRequired(_)));
-        let err = plan(
-            &cfg(BackendChoice::Cuda, false, 0),
-            &Probe::NoDriver("x".into()),
-            None,
-        )
-        .unwrap_err();
-        assert!(matches!(err, DeviceError::CudaUnavailable(_)));
-    }
-
-    #[test]
-    fn main_picks_the_gpu_and_a_missing_one_lists_what_is_visible() {
-        let probe = Probe::Gpus(vec![gpu(0), gpu(1)]);
-        let p = plan(&cfg(BackendChoice::Auto, false, 1), &probe, None).unwrap();
-        assert_eq!(p, DevicePlan::Cuda { gpus: vec![gpu(1)] });
-        let msg = plan(&cfg(BackendChoice::Auto, false, 2), &probe, None)
-            .unwrap_err()
-            .to_string();
-        assert!(msg.contains("devices.main = 2"), "{msg}");
-        assert!(msg.contains("cuda:0") && msg.contains("cuda:1"), "{msg}");
-    }
-
-    #[test]
-    fn cpu_choice_ignores_gpus() {
-        let p = plan(
-            &cfg(BackendChoice::Cpu, true, 0),
-            &Probe::Gpus(vec![gpu(0)]),
-            None,
-        )
-        .unwrap();
-        assert!(matches!(p, DevicePlan::Cpu { .. }));
+    fn exclusive_process_gpu_held_by_another_process_is_named() {
+        let mut inv = machine(&[0]);
+        if let Probe::Gpus(g) = &mut inv.probe {
+            let p = g[0].physical.as_mut().unwrap();
+            p.compute_mode = "ExclusiveProcess".into();
+            p.processes = vec![(77, "trainer".into(), 1000)];
+        }
+        let e = plan(&cfg(), &env(None, &[]), &inv).unwrap_err().to_string();
+        assert!(
+            e.contains("exclusive-process mode and held by trainer (pid 77)"),
+            "{e}"
+        );
     }
 }

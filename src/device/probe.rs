@@ -18,6 +18,8 @@ pub struct GpuInfo {
     pub total_mib: u64,
     /// Compute capability, e.g. (9, 0) for Hopper.
     pub compute_capability: (i32, i32),
+    /// What NVML reports for the same GPU (matched by PCI bus id), when NVML is available.
+    pub physical: Option<super::nvml::PhysicalGpu>,
 }
 
 /// What the probe found.
@@ -58,6 +60,7 @@ pub fn probe() -> Probe {
             // SAFETY: `dev` came from cuDeviceGet; attribute queries need no context.
             unsafe { result::device::get_attribute(dev, a) }.unwrap_or(-1)
         };
+        // NVML's spelling, so the two can be matched.
         let pci_bus_id = format!(
             "{:08x}:{:02x}:{:02x}.0",
             attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID),
@@ -79,6 +82,7 @@ pub fn probe() -> Probe {
             pci_bus_id,
             total_mib: (total / (1024 * 1024)) as u64,
             compute_capability,
+            physical: None,
         });
     }
     Probe::Gpus(gpus)

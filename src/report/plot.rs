@@ -121,7 +121,7 @@ mod tests {
 
     #[test]
     fn writes_a_png_of_the_expected_size() {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = crate::test_util::tempdir();
         let rec = |epoch: u32, acc: f64| EpochRecord {
             epoch,
             step: epoch as u64 * 10,

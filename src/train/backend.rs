@@ -32,7 +32,7 @@ pub fn with_backend<J: BackendJob>(
     job: J,
 ) -> J::Output {
     match plan {
-        DevicePlan::Cuda { gpus } => cuda::run(gpus, kernels, job),
+        DevicePlan::Cuda { gpus, .. } => cuda::run(gpus, kernels, job),
         DevicePlan::Cpu { .. } => job.run::<Autodiff<Flex>>(vec![FlexDevice]),
     }
 }

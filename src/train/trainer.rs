@@ -134,15 +134,13 @@ pub fn fit<B: AutodiffBackend>(
     let mut model = spec.init::<B>(&device);
     let mut optim = Optim::<ResNet<B>, B>::new(&cfg.optim);
     let mut state = TrainState::new(spec, job.dataset.classes.clone(), job.devices.clone());
-    let run = Run {
+    let mut run = Run {
         job: &job,
         store: Store::new(&job.run_dir),
         progress: Progress::new(cfg.train.log_every_steps, cfg.train.epochs),
         started: Instant::now(),
         elapsed_before: 0.0,
     };
-
-    let mut run = run;
     if job.resume {
         let mut skipped = Vec::new();
         let Some((dir, _)) = run.store.latest_valid(|e| skipped.push(e.to_string())) else {
@@ -451,12 +449,12 @@ mod tests {
     #[test]
     fn a_run_stopped_mid_epoch_and_resumed_equals_the_uninterrupted_run_bitwise() {
         let _rng = rng_lock();
-        let whole = tempfile::tempdir().unwrap();
+        let whole = crate::test_util::tempdir();
         let (outcome, a) =
             fit::<TestBackend>(job(config(), whole.path(), false), device()).unwrap();
         assert_eq!(outcome, Outcome::Finished);
 
-        let parts = tempfile::tempdir().unwrap();
+        let parts = crate::test_util::tempdir();
         let mut stop = config();
         stop.train.max_steps = 11; // 8 steps per epoch: stops inside epoch 2
         let (outcome, s) = fit::<TestBackend>(job(stop, parts.path(), false), device()).unwrap();
@@ -486,11 +484,11 @@ mod tests {
         let _rng = rng_lock();
         // Without BatchNorm's batch statistics in play this would be exact; with them,
         // micro-batches normalise over fewer images, so compare the loss trend only.
-        let one = tempfile::tempdir().unwrap();
+        let one = crate::test_util::tempdir();
         let (_, a) = fit::<TestBackend>(job(config(), one.path(), false), device()).unwrap();
         let mut accum = config();
         accum.train.grad_accum_steps = 2;
-        let two = tempfile::tempdir().unwrap();
+        let two = crate::test_util::tempdir();
         let (_, b) = fit::<TestBackend>(job(accum, two.path(), false), device()).unwrap();
         assert_eq!(
             a.step, b.step,

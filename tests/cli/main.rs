@@ -1,21 +1,88 @@
 //! The one CLI test binary: runs the real `kiln` executable on the CPU, on fixtures
 //! the tests make themselves.
+//!
+//! Plain `std::process::Command` rather than assert_cmd/predicates/tempfile: those
+//! dev-dependencies turn on features of crates Burn depends on, and then `cargo test`
+//! and `cargo build` would each compile Burn.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use assert_cmd::prelude::*;
-use predicates::prelude::*;
-use predicates::str::contains;
-
 const DEBUG_TOML: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/configs/debug.toml");
 
 fn kiln() -> Command {
-    let mut cmd = Command::cargo_bin("kiln").expect("the kiln binary is built for tests");
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kiln"));
     // No GPU for tests, whatever the machine has.
     cmd.env("CUDA_VISIBLE_DEVICES", "");
     cmd.current_dir(env!("CARGO_MANIFEST_DIR"));
     cmd
+}
+
+/// What a finished `kiln` printed and returned.
+struct Output {
+    code: i32,
+    stdout: String,
+    stderr: String,
+}
+
+impl Output {
+    fn of(cmd: &mut Command) -> Output {
+        let out = cmd.output().expect("the kiln binary should start");
+        Output {
+            code: out.status.code().unwrap_or(-1),
+            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        }
+    }
+
+    fn code(&self, code: i32) -> &Self {
+        assert_eq!(
+            self.code, code,
+            "exit code\nstdout:\n{}\nstderr:\n{}",
+            self.stdout, self.stderr
+        );
+        self
+    }
+
+    fn success(&self) -> &Self {
+        self.code(0)
+    }
+
+    fn stderr_has(&self, text: &str) -> &Self {
+        assert!(
+            self.stderr.contains(text),
+            "stderr lacks {text:?}:\n{}",
+            self.stderr
+        );
+        self
+    }
+
+    fn stderr_lacks(&self, text: &str) -> &Self {
+        assert!(
+            !self.stderr.contains(text),
+            "stderr has {text:?}:\n{}",
+            self.stderr
+        );
+        self
+    }
+
+    fn stdout_has(&self, text: &str) -> &Self {
+        assert!(
+            self.stdout.contains(text),
+            "stdout lacks {text:?}:\n{}",
+            self.stdout
+        );
+        self
+    }
+}
+
+/// A fresh directory in cargo's scratch space for integration tests.
+fn tempdir(name: &str) -> PathBuf {
+    let dir =
+        Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("cli-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
 }
 
 /// The single run directory under `out`.
@@ -34,14 +101,14 @@ fn run_dir(out: &Path) -> PathBuf {
     dirs[0].clone()
 }
 
-fn train(out: &Path, sets: &[&str]) -> assert_cmd::assert::Assert {
+fn train(out: &Path, sets: &[&str]) -> Output {
     let mut cmd = kiln();
     cmd.args(["train", "--config", DEBUG_TOML, "--output"])
         .arg(out);
     for s in sets {
         cmd.args(["--set", s]);
     }
-    cmd.assert()
+    Output::of(&mut cmd)
 }
 
 fn metrics(run: &Path) -> Vec<Vec<String>> {
@@ -55,68 +122,65 @@ fn metrics(run: &Path) -> Vec<Vec<String>> {
 
 #[test]
 fn help_and_version_work_without_a_gpu() {
-    kiln()
-        .arg("--help")
-        .assert()
+    Output::of(kiln().arg("--help"))
         .success()
-        .stdout(contains("train"));
-    kiln()
-        .args(["train", "--help"])
-        .assert()
+        .stdout_has("train");
+    Output::of(kiln().args(["train", "--help"]))
         .success()
-        .stdout(contains("--resume"));
-    kiln()
-        .arg("--version")
-        .assert()
+        .stdout_has("--resume");
+    Output::of(kiln().arg("--version"))
         .success()
-        .stdout(contains(env!("CARGO_PKG_VERSION")));
+        .stdout_has(env!("CARGO_PKG_VERSION"));
 }
 
 #[test]
 fn unknown_set_key_is_a_usage_error_naming_key_and_suggestion() {
-    let out = tempfile::tempdir().unwrap();
-    train(out.path(), &["train.batch_szie=32"])
+    let out = tempdir("unknown-key");
+    train(&out, &["train.batch_szie=32"])
         .code(2)
-        .stderr(contains("train.batch_szie").and(contains("did you mean `train.batch_size`")));
+        .stderr_has("train.batch_szie")
+        .stderr_has("did you mean `train.batch_size`");
 }
 
 #[test]
 fn bad_value_is_a_usage_error_naming_the_value() {
-    let out = tempfile::tempdir().unwrap();
-    train(out.path(), &["optim.lr=-1"])
+    let out = tempdir("bad-value");
+    train(&out, &["optim.lr=-1"])
         .code(2)
-        .stderr(contains("optim.lr = -1"));
-    train(out.path(), &["train.epochs=many"])
+        .stderr_has("optim.lr = -1");
+    train(&out, &["train.epochs=many"])
         .code(2)
-        .stderr(contains("train.epochs = \"many\""));
+        .stderr_has("train.epochs = \"many\"");
+    train(&out, &["devices.use=some"])
+        .code(2)
+        .stderr_has("a list of logical GPU indices");
 }
 
 #[test]
 fn missing_config_file_and_missing_data_are_usage_errors() {
-    kiln()
-        .args(["train", "--config", "no/such.toml"])
-        .assert()
+    Output::of(kiln().args(["train", "--config", "no/such.toml"]))
         .code(2)
-        .stderr(contains("no/such.toml"));
-    let out = tempfile::tempdir().unwrap();
+        .stderr_has("no/such.toml");
+    let out = tempdir("missing-data");
     train(
-        out.path(),
+        &out,
         &[
             "data.dataset=fashion_mnist",
             "data.root=/nonexistent/fmnist",
         ],
     )
     .code(2)
-    .stderr(contains("/nonexistent/fmnist"));
+    .stderr_has("/nonexistent/fmnist");
 }
 
 #[test]
 fn training_writes_a_complete_run_dir_and_the_loss_falls() {
-    let out = tempfile::tempdir().unwrap();
-    train(out.path(), &["train.epochs=4"])
+    let out = tempdir("complete");
+    train(&out, &["train.epochs=4"])
         .success()
-        .stderr(contains("training on the CPU").and(contains("finished 4 epochs")));
-    let run = run_dir(out.path());
+        .stderr_has("training on the CPU")
+        .stderr_has("finished 4 epochs");
+    let run = run_dir(&out);
     for f in [
         "config.toml",
         "metrics.csv",
@@ -148,130 +212,146 @@ fn training_writes_a_complete_run_dir_and_the_loss_falls() {
         "{resolved}"
     );
 
-    kiln()
-        .args(["eval", "--run"])
-        .arg(&run)
-        .assert()
+    Output::of(kiln().args(["eval", "--run"]).arg(&run))
         .success()
-        .stdout(contains("test split").and(contains("64 images")));
+        .stdout_has("test split")
+        .stdout_has("64 images");
 }
 
 #[test]
 fn a_run_stopped_mid_epoch_resumes_where_it_stopped() {
     // Steps per epoch: 256 / 32 = 8. Stop mid-epoch 2 (step 11), resume to the end.
     // (That the result is bitwise the uninterrupted run is tested in train::trainer.)
-    let parts = tempfile::tempdir().unwrap();
-    train(parts.path(), &["train.epochs=2", "train.max_steps=11"])
+    let parts = tempdir("mid-epoch");
+    train(&parts, &["train.epochs=2", "train.max_steps=11"])
         .success()
-        .stderr(contains("stopped at step 11"));
-    let run = run_dir(parts.path());
-    kiln()
-        .args([
-            "train",
-            "--config",
-            DEBUG_TOML,
-            "--set",
-            "train.epochs=2",
-            "--resume",
-        ])
-        .arg(&run)
-        .assert()
-        .success()
-        .stderr(
-            contains("resuming from")
-                .and(contains("step 11"))
-                .and(contains("finished 2 epochs")),
-        );
+        .stderr_has("stopped at step 11");
+    let run = run_dir(&parts);
+    Output::of(
+        kiln()
+            .args([
+                "train",
+                "--config",
+                DEBUG_TOML,
+                "--set",
+                "train.epochs=2",
+                "--resume",
+            ])
+            .arg(&run),
+    )
+    .success()
+    .stderr_has("resuming from")
+    .stderr_has("step 11")
+    .stderr_has("finished 2 epochs");
     assert_eq!(metrics(&run).len(), 2);
     assert!(run.join("checkpoints/step-000000016/model.bin").is_file());
 }
 
 #[test]
 fn resume_refuses_a_different_model_and_names_the_key() {
-    let out = tempfile::tempdir().unwrap();
-    train(out.path(), &["train.epochs=1"]).success();
-    let run = run_dir(out.path());
-    kiln()
-        .args([
-            "train",
-            "--config",
-            DEBUG_TOML,
-            "--set",
-            "model.arch=resnet20",
-            "--resume",
-        ])
-        .arg(&run)
-        .assert()
-        .code(2)
-        .stderr(contains("model.arch"));
+    let out = tempdir("refuse");
+    train(&out, &["train.epochs=1"]).success();
+    let run = run_dir(&out);
+    Output::of(
+        kiln()
+            .args([
+                "train",
+                "--config",
+                DEBUG_TOML,
+                "--set",
+                "model.arch=resnet20",
+                "--resume",
+            ])
+            .arg(&run),
+    )
+    .code(2)
+    .stderr_has("model.arch");
 }
 
 #[test]
 fn corrupt_latest_checkpoint_is_skipped_for_the_previous_one() {
-    let out = tempfile::tempdir().unwrap();
-    train(out.path(), &["train.epochs=2"]).success();
-    let run = run_dir(out.path());
+    let out = tempdir("corrupt");
+    train(&out, &["train.epochs=2"]).success();
+    let run = run_dir(&out);
     let latest = run.join("checkpoints/step-000000016/model.bin");
     let bytes = std::fs::read(&latest).unwrap();
     std::fs::write(&latest, &bytes[..bytes.len() / 2]).unwrap();
-    kiln()
-        .args(["train", "--set", "train.epochs=3", "--resume"])
-        .arg(&run)
-        .assert()
-        .success()
-        .stderr(
-            contains("skipping")
-                .and(contains("step-000000016"))
-                .and(contains("resuming from")),
-        );
+    Output::of(
+        kiln()
+            .args(["train", "--set", "train.epochs=3", "--resume"])
+            .arg(&run),
+    )
+    .success()
+    .stderr_has("skipping")
+    .stderr_has("step-000000016")
+    .stderr_has("resuming from");
 }
 
 #[test]
 fn resume_without_checkpoints_is_a_usage_error() {
-    let out = tempfile::tempdir().unwrap();
-    kiln()
-        .args(["train", "--config", DEBUG_TOML, "--output"])
-        .arg(out.path())
-        .arg("--resume")
-        .assert()
-        .code(2)
-        .stderr(contains("no run of"));
+    let out = tempdir("no-checkpoints");
+    Output::of(
+        kiln()
+            .args(["train", "--config", DEBUG_TOML, "--output"])
+            .arg(&out)
+            .arg("--resume"),
+    )
+    .code(2)
+    .stderr_has("no run of");
 }
 
 #[test]
 fn cuda_backend_without_a_gpu_is_reported_not_a_panic() {
-    let out = tempfile::tempdir().unwrap();
-    train(out.path(), &["devices.backend=cuda"])
+    let out = tempdir("no-gpu");
+    train(&out, &["devices.backend=cuda"])
         .code(75)
-        .stderr(contains("no GPU can be used").and(contains("panicked").not()));
-    train(
-        out.path(),
-        &["devices.backend=auto", "devices.require_gpu=true"],
-    )
-    .code(75)
-    .stderr(contains("devices.require_gpu"));
+        .stderr_has("no GPU can be used")
+        .stderr_lacks("panicked");
+    train(&out, &["devices.backend=auto", "devices.require_gpu=true"])
+        .code(75)
+        .stderr_has("devices.require_gpu");
+}
+
+#[test]
+fn a_misspelt_visible_devices_variable_is_a_usage_error() {
+    let out = tempdir("typo");
+    let mut cmd = kiln();
+    cmd.env_remove("CUDA_VISIBLE_DEVICES")
+        .env("CUDA_VISBLE_DEVICES", "1");
+    cmd.args(["train", "--config", DEBUG_TOML, "--output"])
+        .arg(&out);
+    cmd.args(["--set", "devices.backend=auto"]);
+    Output::of(&mut cmd)
+        .code(2)
+        .stderr_has("CUDA_VISBLE_DEVICES=\"1\"")
+        .stderr_has("rename it to CUDA_VISIBLE_DEVICES");
 }
 
 #[test]
 fn devices_command_reports_without_a_gpu() {
-    kiln()
-        .arg("devices")
-        .assert()
+    Output::of(kiln().arg("devices"))
         .success()
-        .stdout(contains("training runs on the CPU"));
-    kiln()
-        .args(["devices", "--json"])
-        .assert()
+        .stdout_has("CUDA_VISIBLE_DEVICES=\"\"")
+        .stdout_has("training runs on the CPU");
+    Output::of(kiln().args(["devices", "--json"]))
         .success()
-        .stdout(contains("\"gpus\""));
+        .stdout_has("\"gpus\"");
+    Output::of(kiln().args(["devices", "--config", DEBUG_TOML]))
+        .success()
+        .stdout_has("this config would use: cpu");
+    // CUDA_VISIBLE_DEVICES="" is set for tests, so a config asking for "1" conflicts.
+    Output::of(kiln().args(["devices", "--set", "devices.visible=1"]))
+        .code(2)
+        .stderr_has("devices.visible = \"1\"")
+        .stderr_has("CUDA_VISIBLE_DEVICES=\"\"");
 }
 
 #[test]
 fn image_folder_dataset_trains() {
-    let data = tempfile::tempdir().unwrap();
+    let data = tempdir("folder-data");
     for split in ["train", "test"] {
         for (c, class) in ["red", "blue"].iter().enumerate() {
-            let dir = data.path().join(split).join(class);
+            let dir = data.join(split).join(class);
             std::fs::create_dir_all(&dir).unwrap();
             for i in 0..8u8 {
                 let px = if c == 0 {
@@ -285,10 +365,10 @@ fn image_folder_dataset_trains() {
             }
         }
     }
-    let out = tempfile::tempdir().unwrap();
-    let root = format!("data.root={}", data.path().display());
+    let out = tempdir("folder-out");
+    let root = format!("data.root={}", data.display());
     train(
-        out.path(),
+        &out,
         &[
             "data.dataset=image_folder",
             &root,
@@ -298,5 +378,5 @@ fn image_folder_dataset_trains() {
         ],
     )
     .success()
-    .stderr(contains("16 train / 16 test images, 3x8x8, 2 classes"));
+    .stderr_has("16 train / 16 test images, 3x8x8, 2 classes");
 }

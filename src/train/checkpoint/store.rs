@@ -275,7 +275,7 @@ mod tests {
 
     #[test]
     fn save_commits_by_rename_and_updates_latest() {
-        let run = tempfile::tempdir().unwrap();
+        let run = crate::test_util::tempdir();
         let store = Store::new(run.path());
         let dir = save(&store, 7, None);
         assert!(dir.ends_with("step-000000007"));
@@ -287,7 +287,7 @@ mod tests {
 
     #[test]
     fn truncated_or_altered_checkpoints_are_skipped_for_the_previous_good_one() {
-        let run = tempfile::tempdir().unwrap();
+        let run = crate::test_util::tempdir();
         let store = Store::new(run.path());
         save(&store, 1, None);
         let second = save(&store, 2, None);
@@ -305,7 +305,7 @@ mod tests {
 
     #[test]
     fn a_directory_without_manifest_is_not_a_checkpoint() {
-        let run = tempfile::tempdir().unwrap();
+        let run = crate::test_util::tempdir();
         let store = Store::new(run.path());
         save(&store, 1, None);
         std::fs::create_dir_all(run.path().join("checkpoints/step-000000005")).unwrap();
@@ -318,7 +318,7 @@ mod tests {
 
     #[test]
     fn prune_keeps_last_k_and_best() {
-        let run = tempfile::tempdir().unwrap();
+        let run = crate::test_util::tempdir();
         let store = Store::new(run.path());
         for (step, acc) in [(1, 0.5), (2, 0.9), (3, 0.6), (4, 0.7)] {
             save(&store, step, Some(acc));
@@ -331,7 +331,7 @@ mod tests {
 
     #[test]
     fn saving_the_same_step_twice_replaces_it() {
-        let run = tempfile::tempdir().unwrap();
+        let run = crate::test_util::tempdir();
         let store = Store::new(run.path());
         save(&store, 4, None);
         save(&store, 4, Some(0.3));
