@@ -108,7 +108,7 @@ pub struct BenchArgs {
     /// Image side in pixels (`data.image_size`); the stem follows it (small up to 64 px).
     #[arg(long, default_value_t = 32)]
     pub image_size: u32,
-    /// Images per step (`train.batch_size`).
+    /// Images per step on each device (the global batch is this times the devices).
     #[arg(long, default_value_t = 256)]
     pub batch: usize,
     /// Timed steps.
@@ -123,6 +123,9 @@ pub struct BenchArgs {
     /// Kernel autotuning (`train.autotune`): fast, balanced, extensive or full.
     #[arg(long)]
     pub autotune: Option<String>,
+    /// Which GPUs (`devices.use`): `all`, `auto`, or logical indices like `0,1`.
+    #[arg(long, value_name = "GPUS")]
+    pub devices: Option<String>,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,

@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use crate::config::ConfigError;
 use crate::data::DataError;
 use crate::device::DeviceError;
-use crate::train::{CheckpointError, TrainError};
+use crate::train::{CheckpointError, ReplicaError, TrainError};
 
 pub const USAGE: u8 = 2;
 pub const DEVICE_UNAVAILABLE: u8 = 75;
@@ -38,7 +38,13 @@ pub fn code_for(err: &anyhow::Error) -> ExitCode {
         }
         if let Some(e) = cause.downcast_ref::<TrainError>() {
             return match e {
-                TrainError::BatchTooLarge { .. } => ExitCode::from(USAGE),
+                TrainError::BatchTooLarge { .. }
+                | TrainError::DeviceWeights { .. }
+                | TrainError::Replica(ReplicaError::TooSmall { .. }) => ExitCode::from(USAGE),
+                // A device failed mid-run: restart, perhaps without it.
+                TrainError::Replica(ReplicaError::Failed { .. }) => {
+                    ExitCode::from(DEVICE_UNAVAILABLE)
+                }
                 TrainError::Checkpoint(c) => checkpoint_code(c),
                 // Bad data met mid-run: training had started, so not a usage error.
                 _ => ExitCode::from(1),

@@ -38,6 +38,9 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         let classes = if args.image_size > 64 { 1000 } else { 10 };
         sets.push(format!("data.synthetic_classes={classes}"));
     }
+    if let Some(spec) = &args.devices {
+        sets.push(crate::cli::devices_override(spec));
+    }
     if let Some(level) = &args.autotune {
         sets.push(format!("train.autotune={level}"));
     }
@@ -46,6 +49,11 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         None => config::load_str(BASE, "kiln bench defaults", &sets)?,
     };
     let plan = super::plan_devices(&config.devices)?;
+    // --batch is per device, as in the PyTorch DDP reference.
+    let devices = plan.device_names().len();
+    let mut config = config;
+    config.train.batch_size = args.batch * devices;
+    config.data.synthetic_train_size = args.batch * devices;
     let dataset = crate::data::open(&config.data, config.train.seed)?;
     let kernels = super::kernel_settings(&config);
     let report = with_backend(
@@ -53,12 +61,13 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         &kernels,
         BenchJob {
             config: config.clone(),
+            device_names: plan.device_names(),
             dataset,
             steps: args.steps,
             warmup: args.warmup,
             breakdown_steps: args.breakdown_steps,
         },
-    );
+    )?;
     let memory = match &plan {
         DevicePlan::Cuda { gpus, .. } => memory_in_use_mib(gpus[0].ordinal),
         DevicePlan::Cpu { .. } => None,
@@ -71,10 +80,12 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         doc["autotune"] = format!("{:?}", config.train.autotune).to_lowercase().into();
         println!("{}", serde_json::to_string(&doc)?);
     } else {
-        let b = &report.breakdown;
         println!(
-            "kiln bench: {} {}px batch {} on {device}",
-            report.model, report.image_size, report.batch
+            "kiln bench: {} {}px batch {} ({} per device) on {device}",
+            report.model,
+            report.image_size,
+            report.batch,
+            report.batch / report.devices.max(1)
         );
         println!(
             "  first step        {:>9.2} s   (second {:.2} s)",
@@ -85,10 +96,12 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
             report.step_ms, report.steps
         );
         println!("  throughput        {:>9.0} img/s", report.img_per_s);
-        println!(
-            "  synced phases     upload {:.2} | forward {:.2} | backward {:.2} | optimizer {:.2} = {:.2} ms",
-            b.upload_ms, b.forward_ms, b.backward_ms, b.optimizer_ms, b.total_ms
-        );
+        if let Some(b) = &report.breakdown {
+            println!(
+                "  synced phases     upload {:.2} | forward {:.2} | backward {:.2} | optimizer {:.2} = {:.2} ms",
+                b.upload_ms, b.forward_ms, b.backward_ms, b.optimizer_ms, b.total_ms
+            );
+        }
         if let Some(mib) = memory {
             println!("  device memory in use at the end: {mib} MiB (all processes)");
         }

@@ -44,19 +44,12 @@ fn plan_devices(cfg: &crate::config::DevicesConfig) -> anyhow::Result<crate::dev
         eprintln!("kiln: warning: {note}");
     }
     match &plan {
-        DevicePlan::Cuda { gpus, reason } => {
+        DevicePlan::Cuda { reason, .. } => {
             eprintln!(
                 "kiln: devices: {} ({reason}; {})",
                 plan.describe(),
                 env.source()
             );
-            if gpus.len() > 1 {
-                eprintln!(
-                    "kiln: warning: {} GPUs chosen, but kiln runs on one GPU until the data-parallel learner lands; using the main device cuda:{}",
-                    gpus.len(),
-                    gpus[0].ordinal
-                );
-            }
         }
         DevicePlan::Cpu { reason } => eprintln!("kiln: training on the CPU: {reason}"),
     }

@@ -204,6 +204,9 @@ pub struct TrainConfig {
     pub log_every_steps: u64,
     /// Kernel autotuning on CUDA; ignored on the CPU.
     pub autotune: Autotune,
+    /// Relative share of each global batch per device, in the order of the devices
+    /// used (e.g. `[3, 1]`); empty: equal shares. Only with several devices.
+    pub device_weights: Vec<f64>,
 }
 
 impl Default for TrainConfig {
@@ -219,6 +222,7 @@ impl Default for TrainConfig {
             eval_every_epochs: 1,
             log_every_steps: 100,
             autotune: Autotune::Balanced,
+            device_weights: Vec::new(),
         }
     }
 }
@@ -482,6 +486,16 @@ impl Config {
                 "train.grad_clip_norm",
                 t.grad_clip_norm.to_string(),
                 "0 (off) or a positive number",
+            );
+        }
+        if t.device_weights
+            .iter()
+            .any(|w| !(w.is_finite() && *w > 0.0))
+        {
+            return bad(
+                "train.device_weights",
+                format!("{:?}", t.device_weights),
+                "positive numbers, one per device used (or [] for equal shares)",
             );
         }
         if t.log_every_steps == 0 {

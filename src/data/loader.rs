@@ -26,6 +26,30 @@ pub struct Batch {
     pub shape: [usize; 4],
 }
 
+impl Batch {
+    /// Consecutive pieces of `sizes[i]` images each (`sizes` must sum to the batch size).
+    pub fn split(self, sizes: &[usize]) -> Vec<Batch> {
+        let [n, c, h, w] = self.shape;
+        assert_eq!(
+            sizes.iter().sum::<usize>(),
+            n,
+            "shard sizes must cover the batch"
+        );
+        let per = c * h * w;
+        let mut out = Vec::with_capacity(sizes.len());
+        let mut lo = 0;
+        for &k in sizes {
+            out.push(Batch {
+                images: self.images[lo * per..(lo + k) * per].to_vec(),
+                labels: self.labels[lo..lo + k].to_vec(),
+                shape: [k, c, h, w],
+            });
+            lo += k;
+        }
+        out
+    }
+}
+
 #[derive(Clone)]
 pub struct Loader {
     source: Arc<dyn Source>,

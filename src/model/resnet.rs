@@ -80,14 +80,14 @@ impl ModelSpec {
                 blocks.push(block);
             }
         }
-        ResNet {
+        super::materialize(ResNet {
             stem_conv,
             stem_bn: bn(l.stem_width, device),
             stem_pool,
             blocks,
             pool: AdaptiveAvgPool2dConfig::new([1, 1]).init(),
             fc: LinearConfig::new(cin, self.num_classes).init(device),
-        }
+        })
     }
 }
 

@@ -1,7 +1,8 @@
 //! `kiln bench`: training throughput of the same model and step as `kiln train`, on
 //! one synthetic batch kept in host memory (uploaded every step, as a loader's batch
 //! would be), then a step-time breakdown with a device synchronisation after each
-//! phase.
+//! phase. With several devices the global batch is `batch x devices`, split by the
+//! data-parallel learner.
 
 use std::time::Instant;
 
@@ -12,6 +13,7 @@ use serde::Serialize;
 use super::backend::BackendJob;
 use super::loss::cross_entropy;
 use super::optim::Optim;
+use super::parallel::{ReplicaError, Replicas};
 use super::step::{to_device, train_step};
 use crate::config::Config;
 use crate::data::{Batch, Dataset};
@@ -19,6 +21,7 @@ use crate::model::{ModelSpec, ResNet};
 
 pub struct BenchJob {
     pub config: Config,
+    pub device_names: Vec<String>,
     pub dataset: Dataset,
     /// Timed steps, after `warmup` untimed ones.
     pub steps: usize,
@@ -42,7 +45,9 @@ pub struct Breakdown {
 pub struct BenchReport {
     pub model: String,
     pub image_size: usize,
+    /// Images per step, over all devices.
     pub batch: usize,
+    pub devices: usize,
     /// First step of this process: kernel compilation and autotuning (or cache loading).
     pub first_step_s: f64,
     pub second_step_s: f64,
@@ -50,17 +55,15 @@ pub struct BenchReport {
     /// Mean over the timed steps, one synchronisation at the end.
     pub step_ms: f64,
     pub img_per_s: f64,
-    pub breakdown: Breakdown,
+    /// One device only.
+    pub breakdown: Option<Breakdown>,
 }
 
 impl BackendJob for BenchJob {
-    type Output = BenchReport;
+    type Output = Result<BenchReport, ReplicaError>;
 
-    fn run<B: AutodiffBackend>(self, devices: Vec<B::Device>) -> BenchReport {
-        let device = devices
-            .into_iter()
-            .next()
-            .expect("a device plan always holds at least one device");
+    fn run<B: AutodiffBackend>(self, devices: Vec<B::Device>) -> Self::Output {
+        let device = devices[0].clone();
         let cfg = &self.config;
         let shape = self.dataset.shape();
         let spec = ModelSpec::new(
@@ -80,49 +83,65 @@ impl BackendJob for BenchJob {
             .make(0, &loader.order(0), 0)
             .expect("synthetic images are made in memory and cannot fail");
         let lr = cfg.optim.lr;
-        let sync = |d: &B::Device| B::sync(d).expect("the device should synchronise");
-
-        let timed_step = |model: ResNet<B>, optim: &mut Optim<ResNet<B>, B>| {
-            let t = Instant::now();
-            let (m, _) = train_step(model, optim, batch.clone(), lr, &cfg.train, &device);
-            sync(&device);
-            (m, t.elapsed().as_secs_f64())
+        let sync = || {
+            for d in &devices {
+                B::sync(d).expect("the device should synchronise");
+            }
         };
-        let (m, first_step_s) = timed_step(model, &mut optim);
+        let mut replicas = (devices.len() > 1)
+            .then(|| Replicas::<B, ResNet<B>>::start(&devices, &self.device_names, &[]));
+        let mut step = |model: ResNet<B>,
+                        optim: &mut Optim<ResNet<B>, B>|
+         -> Result<ResNet<B>, ReplicaError> {
+            Ok(match replicas.as_mut() {
+                Some(r) => r.step(model, optim, batch.clone(), lr, &cfg.train, 0)?.0,
+                None => train_step(model, optim, batch.clone(), lr, &cfg.train, &device).0,
+            })
+        };
+
+        let t = Instant::now();
+        model = step(model, &mut optim)?;
+        sync();
+        let first_step_s = t.elapsed().as_secs_f64();
         eprintln!("kiln: first step {first_step_s:.1} s");
-        let (m, second_step_s) = timed_step(m, &mut optim);
-        model = m;
+        let t = Instant::now();
+        model = step(model, &mut optim)?;
+        sync();
+        let second_step_s = t.elapsed().as_secs_f64();
         for _ in 0..self.warmup {
-            model = train_step(model, &mut optim, batch.clone(), lr, &cfg.train, &device).0;
+            model = step(model, &mut optim)?;
         }
-        sync(&device);
+        sync();
         let t = Instant::now();
         for _ in 0..self.steps {
-            model = train_step(model, &mut optim, batch.clone(), lr, &cfg.train, &device).0;
+            model = step(model, &mut optim)?;
         }
-        sync(&device);
+        sync();
         let step_s = t.elapsed().as_secs_f64() / self.steps.max(1) as f64;
-
-        let breakdown = breakdown::<B>(
-            model,
-            &mut optim,
-            &batch,
-            lr,
-            cfg,
-            &device,
-            self.breakdown_steps,
-        );
-        BenchReport {
+        // Phases are timed on one device; with several, the step above is the figure.
+        let breakdown = (devices.len() == 1).then(|| {
+            breakdown::<B>(
+                model,
+                &mut optim,
+                &batch,
+                lr,
+                cfg,
+                &device,
+                self.breakdown_steps,
+            )
+        });
+        Ok(BenchReport {
             model: format!("{:?}", cfg.model.arch).to_lowercase(),
             image_size: shape.height,
             batch: batch.labels.len(),
+            devices: devices.len(),
             first_step_s,
             second_step_s,
             steps: self.steps,
             step_ms: step_s * 1e3,
             img_per_s: batch.labels.len() as f64 / step_s,
             breakdown,
-        }
+        })
     }
 }
 

@@ -1,6 +1,7 @@
 //! One optimizer step on one global batch, and one evaluation pass. Metrics stay on
 //! the device as running sums; the trainer reads them back only when it reports.
 
+use burn::module::AutodiffModule;
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Int, Tensor, TensorData};
@@ -10,7 +11,7 @@ use super::loss::{correct, cross_entropy};
 use super::optim::Optim;
 use crate::config::TrainConfig;
 use crate::data::Batch;
-use crate::model::ResNet;
+use crate::model::Classifier;
 
 /// Device-side sums over the images seen: loss times images, and correct predictions.
 pub struct Sums<B: Backend> {
@@ -25,6 +26,22 @@ impl<B: Backend> Sums<B> {
             loss: self.loss + other.loss,
             correct: self.correct + other.correct,
             images: self.images + other.images,
+        }
+    }
+
+    /// Adds to `acc`, which may be empty.
+    pub fn accumulate(acc: Option<Sums<B>>, other: Sums<B>) -> Option<Sums<B>> {
+        Some(match acc {
+            Some(a) => a.add(other),
+            None => other,
+        })
+    }
+
+    pub fn moved_to(self, device: &B::Device) -> Sums<B> {
+        Sums {
+            loss: self.loss.to_device(device),
+            correct: self.correct.to_device(device),
+            images: self.images,
         }
     }
 
@@ -48,15 +65,17 @@ pub fn to_device<B: Backend>(
     (images, labels)
 }
 
-/// Forward and backward on `images`, with the loss scaled by `weight` so that
-/// gradients of several micro-batches sum to the gradient of their union.
-fn forward_backward<B: AutodiffBackend>(
-    model: &ResNet<B>,
-    images: Tensor<B, 4>,
-    labels: Tensor<B, 1, Int>,
+/// Forward and backward on one batch, with the loss scaled by `weight` so that the
+/// gradients of several pieces of a global batch sum to the gradient of its mean loss
+/// (`weight` = images in the piece / images in the global batch).
+pub fn forward_backward<B: AutodiffBackend, M: Classifier<B> + AutodiffModule<B>>(
+    model: &M,
+    batch: Batch,
+    device: &B::Device,
     weight: f64,
     label_smoothing: f64,
 ) -> (GradientsParams, Sums<B::InnerBackend>) {
+    let (images, labels) = to_device::<B>(batch, device);
     let n = labels.dims()[0];
     let logits = model.forward(images);
     let loss = cross_entropy(logits.clone(), labels.clone(), label_smoothing);
@@ -74,50 +93,59 @@ fn forward_backward<B: AutodiffBackend>(
     (grads, sums)
 }
 
-/// Trains on one global batch: `grad_accum_steps` micro-batches, summed gradients,
-/// optional global-norm clipping, one optimizer step at `lr`.
-pub fn train_step<B: AutodiffBackend>(
-    model: ResNet<B>,
-    optim: &mut Optim<ResNet<B>, B>,
+/// The `grad_accum_steps` micro-batches of a global batch.
+pub fn micro_batches(batch: Batch, cfg: &TrainConfig) -> Vec<Batch> {
+    let k = cfg.grad_accum_steps.max(1);
+    let n = batch.labels.len();
+    if k == 1 {
+        return vec![batch];
+    }
+    batch.split(&vec![n / k; k])
+}
+
+/// Clipping (if configured) and one optimizer step at `lr` with the summed gradients.
+pub fn apply<B: AutodiffBackend, M: AutodiffModule<B>>(
+    model: M,
+    optim: &mut Optim<M, B>,
+    mut grads: GradientsParams,
+    lr: f64,
+    cfg: &TrainConfig,
+) -> M {
+    if cfg.grad_clip_norm > 0.0 {
+        clip_global_norm::<B, _>(&model, &mut grads, cfg.grad_clip_norm);
+    }
+    optim.step(lr, model, grads)
+}
+
+/// Trains on one global batch on one device: its micro-batches' gradients summed,
+/// then one optimizer step.
+pub fn train_step<B: AutodiffBackend, M: Classifier<B> + AutodiffModule<B>>(
+    model: M,
+    optim: &mut Optim<M, B>,
     batch: Batch,
     lr: f64,
     cfg: &TrainConfig,
     device: &B::Device,
-) -> (ResNet<B>, Sums<B::InnerBackend>) {
-    let (images, labels) = to_device::<B>(batch, device);
-    let micro = cfg.grad_accum_steps;
-    let (mut grads, sums) = if micro == 1 {
-        forward_backward(&model, images, labels, 1.0, cfg.label_smoothing)
-    } else {
-        let n = labels.dims()[0];
-        let size = n / micro;
-        let mut acc = GradientsAccumulator::<ResNet<B>>::new();
-        let mut total: Option<Sums<B::InnerBackend>> = None;
-        for i in 0..micro {
-            let (lo, hi) = (i * size, (i + 1) * size);
-            let (g, s) = forward_backward(
-                &model,
-                images.clone().slice(lo..hi),
-                labels.clone().slice(lo..hi),
-                1.0 / micro as f64,
-                cfg.label_smoothing,
-            );
-            acc.accumulate(&model, g);
-            total = Some(match total {
-                Some(t) => t.add(s),
-                None => s,
-            });
-        }
-        (acc.grads(), total.expect("grad_accum_steps is at least 1"))
-    };
-    if cfg.grad_clip_norm > 0.0 {
-        clip_global_norm::<B, _>(&model, &mut grads, cfg.grad_clip_norm);
+) -> (M, Sums<B::InnerBackend>) {
+    let total = batch.labels.len() as f64;
+    let mut acc = GradientsAccumulator::<M>::new();
+    let mut sums = None;
+    for micro in micro_batches(batch, cfg) {
+        let weight = micro.labels.len() as f64 / total;
+        let (g, s) = forward_backward(&model, micro, device, weight, cfg.label_smoothing);
+        acc.accumulate(&model, g);
+        sums = Sums::accumulate(sums, s);
     }
-    (optim.step(lr, model, grads), sums)
+    let sums = sums.expect("a batch has at least one micro-batch");
+    (apply(model, optim, acc.grads(), lr, cfg), sums)
 }
 
 /// Loss and accuracy sums of `model` (BatchNorm in inference mode) on one batch.
-pub fn eval_batch<B: Backend>(model: &ResNet<B>, batch: Batch, device: &B::Device) -> Sums<B> {
+pub fn eval_batch<B: Backend, M: Classifier<B>>(
+    model: &M,
+    batch: Batch,
+    device: &B::Device,
+) -> Sums<B> {
     let (images, labels) = to_device::<B>(batch, device);
     let n = labels.dims()[0];
     let logits = model.forward(images);

@@ -13,6 +13,7 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use super::backend::BackendJob;
 use super::checkpoint::{self, CheckpointError, Store};
 use super::optim::Optim;
+use super::parallel::{ReplicaError, Replicas, balance_report};
 use super::schedule::{Horizon, lr_at};
 use super::state::{EpochRecord, TrainState};
 use super::step::{Sums, eval_batch, train_step};
@@ -35,6 +36,12 @@ pub enum TrainError {
     NonFinite { step: u64, value: f64 },
     #[error("cannot write {}: {message}", path.display())]
     Report { path: PathBuf, message: String },
+    #[error(transparent)]
+    Replica(#[from] ReplicaError),
+    #[error(
+        "train.device_weights has {weights} entries but {devices} devices are used; give one weight per device or []"
+    )]
+    DeviceWeights { weights: usize, devices: usize },
 }
 
 /// How `fit` ended.
@@ -66,11 +73,7 @@ impl BackendJob for TrainJob {
     type Output = Result<(Outcome, TrainState), TrainError>;
 
     fn run<B: AutodiffBackend>(self, devices: Vec<B::Device>) -> Self::Output {
-        let device = devices
-            .into_iter()
-            .next()
-            .expect("a device plan always holds at least one device");
-        fit::<B>(self, device)
+        fit::<B>(self, devices)
     }
 }
 
@@ -117,11 +120,22 @@ impl Run<'_> {
     }
 }
 
+/// Trains on `devices` (the first is the main device; several make a data-parallel run).
 pub fn fit<B: AutodiffBackend>(
     job: TrainJob,
-    device: B::Device,
+    devices: Vec<B::Device>,
 ) -> Result<(Outcome, TrainState), TrainError> {
     let cfg = &job.config;
+    let device = devices[0].clone();
+    let weights = &cfg.train.device_weights;
+    if !weights.is_empty() && weights.len() != devices.len() {
+        return Err(TrainError::DeviceWeights {
+            weights: weights.len(),
+            devices: devices.len(),
+        });
+    }
+    let mut replicas = (devices.len() > 1)
+        .then(|| Replicas::<B, ResNet<B>>::start(&devices, &job.devices, weights));
     let shape = job.dataset.shape();
     let spec = ModelSpec::new(
         cfg.model.arch,
@@ -224,7 +238,10 @@ pub fn fit<B: AutodiffBackend>(
                 })
             });
             let t0 = Instant::now();
-            let (m, s) = train_step(model, &mut optim, batch, lr, &cfg.train, &device);
+            let (m, s) = match replicas.as_mut() {
+                Some(r) => r.step(model, &mut optim, batch, lr, &cfg.train, state.step + 1)?,
+                None => train_step(model, &mut optim, batch, lr, &cfg.train, &device),
+            };
             model = m;
             window.1 += s.images;
             let step_sums = s;
@@ -312,6 +329,13 @@ pub fn fit<B: AutodiffBackend>(
             epoch_time_s: epoch_start.elapsed().as_secs_f64(),
         };
         run.progress.println(&epoch_line(&record, cfg.train.epochs));
+        if let Some(r) = replicas.as_mut() {
+            let (line, warning) = balance_report(&r.take_load());
+            run.progress.println(&format!("kiln: balance: {line}"));
+            if let Some(w) = warning {
+                run.progress.println(&format!("kiln: warning: {w}"));
+            }
+        }
         state.history.push(record);
         state.epoch += 1;
         state.batch_in_epoch = 0;
@@ -451,18 +475,20 @@ mod tests {
         let _rng = rng_lock();
         let whole = crate::test_util::tempdir();
         let (outcome, a) =
-            fit::<TestBackend>(job(config(), whole.path(), false), device()).unwrap();
+            fit::<TestBackend>(job(config(), whole.path(), false), vec![device()]).unwrap();
         assert_eq!(outcome, Outcome::Finished);
 
         let parts = crate::test_util::tempdir();
         let mut stop = config();
         stop.train.max_steps = 11; // 8 steps per epoch: stops inside epoch 2
-        let (outcome, s) = fit::<TestBackend>(job(stop, parts.path(), false), device()).unwrap();
+        let (outcome, s) =
+            fit::<TestBackend>(job(stop, parts.path(), false), vec![device()]).unwrap();
         assert_eq!(
             (outcome, s.step, s.batch_in_epoch),
             (Outcome::Stopped, 11, 3)
         );
-        let (outcome, b) = fit::<TestBackend>(job(config(), parts.path(), true), device()).unwrap();
+        let (outcome, b) =
+            fit::<TestBackend>(job(config(), parts.path(), true), vec![device()]).unwrap();
         assert_eq!(outcome, Outcome::Finished);
 
         assert_eq!(a.step, 16);
@@ -480,16 +506,38 @@ mod tests {
     }
 
     #[test]
+    fn a_data_parallel_run_resumes_on_another_number_of_devices() {
+        let _rng = rng_lock();
+        // Two replicas (sharing the CPU) stop mid-epoch; one device finishes the run
+        // with the same global batch and schedule.
+        let dir = crate::test_util::tempdir();
+        let mut stop = config();
+        stop.train.max_steps = 11;
+        let mut two = job(stop, dir.path(), false);
+        two.devices = vec!["cpu#0".into(), "cpu#1".into()];
+        let (outcome, s) = fit::<TestBackend>(two, vec![device(), device()]).unwrap();
+        assert_eq!((outcome, s.step), (Outcome::Stopped, 11));
+        assert_eq!(s.history.len(), 1);
+        let (outcome, b) =
+            fit::<TestBackend>(job(config(), dir.path(), true), vec![device()]).unwrap();
+        assert_eq!(
+            (outcome, b.step, b.history.len()),
+            (Outcome::Finished, 16, 2)
+        );
+        assert!(b.history[1].train_loss < b.history[0].train_loss * 1.5);
+    }
+
+    #[test]
     fn gradient_accumulation_matches_the_full_batch() {
         let _rng = rng_lock();
         // Without BatchNorm's batch statistics in play this would be exact; with them,
         // micro-batches normalise over fewer images, so compare the loss trend only.
         let one = crate::test_util::tempdir();
-        let (_, a) = fit::<TestBackend>(job(config(), one.path(), false), device()).unwrap();
+        let (_, a) = fit::<TestBackend>(job(config(), one.path(), false), vec![device()]).unwrap();
         let mut accum = config();
         accum.train.grad_accum_steps = 2;
         let two = crate::test_util::tempdir();
-        let (_, b) = fit::<TestBackend>(job(accum, two.path(), false), device()).unwrap();
+        let (_, b) = fit::<TestBackend>(job(accum, two.path(), false), vec![device()]).unwrap();
         assert_eq!(
             a.step, b.step,
             "accumulation does not change the number of optimizer steps"

@@ -1,0 +1,662 @@
+//! The data-parallel learner. Every global batch is split into one shard per device
+//! (sizes follow the device weights, never empty); one long-lived worker thread per
+//! device forks the current model onto its device, runs forward and backward on its
+//! shard with the loss scaled by shard/global size, and sends its gradients to the main
+//! device. The main thread sums them, so the update equals single-device training on
+//! the whole batch, and takes one optimizer step there ("DataParallel": the weights
+//! are broadcast again with the next step's jobs).
+//!
+//! BatchNorm uses each shard's own batch statistics; its running statistics are Burn
+//! `RunningState`s shared by all replicas, which average the replicas' updates, so they
+//! stay identical everywhere.
+//!
+//! A replica that fails (an error or a panic on its thread) makes the step fail with an
+//! error naming the device; the other replicas finish their shards, so nothing hangs
+//! waiting for it.
+
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::mpsc::{Receiver, Sender, channel};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use burn::module::{AutodiffModule, ModuleVisitor, Param};
+use burn::optim::GradientsParams;
+use burn::tensor::Tensor;
+use burn::tensor::backend::AutodiffBackend;
+
+use super::optim::Optim;
+use super::step::{Sums, apply, forward_backward, micro_batches};
+use crate::config::TrainConfig;
+use crate::data::Batch;
+use crate::model::Classifier;
+
+/// Shard sizes for `n` images over devices with relative `weights`: proportional,
+/// largest remainders first, every shard at least one image. `None` when `n` is smaller
+/// than the number of devices.
+pub fn shard_sizes(n: usize, weights: &[f64]) -> Option<Vec<usize>> {
+    let k = weights.len();
+    if k == 0 || n < k {
+        return None;
+    }
+    let total: f64 = weights.iter().sum();
+    // One image each first, the rest by weight.
+    let rest = (n - k) as f64;
+    let ideal: Vec<f64> = weights.iter().map(|w| rest * w / total).collect();
+    let mut sizes: Vec<usize> = ideal.iter().map(|x| 1 + x.floor() as usize).collect();
+    let mut left = n - sizes.iter().sum::<usize>();
+    let mut order: Vec<usize> = (0..k).collect();
+    order.sort_by(|&a, &b| {
+        (ideal[b] - ideal[b].floor())
+            .total_cmp(&(ideal[a] - ideal[a].floor()))
+            .then(a.cmp(&b))
+    });
+    for &i in order.iter().cycle() {
+        if left == 0 {
+            break;
+        }
+        sizes[i] += 1;
+        left -= 1;
+    }
+    Some(sizes)
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ReplicaError {
+    #[error("replica on {device} failed at step {step}: {message}")]
+    Failed {
+        device: String,
+        step: u64,
+        message: String,
+    },
+    #[error(
+        "train.batch_size / train.grad_accum_steps = {micro} images cannot be split over {devices} devices"
+    )]
+    TooSmall { micro: usize, devices: usize },
+}
+
+struct Job<M> {
+    model: M,
+    shard: Batch,
+    weight: f64,
+    label_smoothing: f64,
+}
+
+type Reply<B> = (
+    usize,
+    Result<(GradientsParams, Sums<<B as AutodiffBackend>::InnerBackend>), String>,
+    f64,
+);
+
+struct Worker<M> {
+    name: String,
+    jobs: Sender<Job<M>>,
+    handle: JoinHandle<()>,
+}
+
+/// Per-device work in the current reporting window.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct DeviceLoad {
+    pub name: String,
+    pub images: usize,
+    pub steps: usize,
+    /// Wall time of the device's jobs (fork, forward, backward, gradients to main).
+    pub busy_s: f64,
+}
+
+/// The worker threads of a data-parallel run; one per device, `devices[0]` the main one.
+pub struct Replicas<B: AutodiffBackend, M> {
+    workers: Vec<Worker<M>>,
+    replies: Receiver<Reply<B>>,
+    weights: Vec<f64>,
+    load: Vec<DeviceLoad>,
+}
+
+impl<B: AutodiffBackend, M: Classifier<B> + AutodiffModule<B> + 'static> Replicas<B, M> {
+    pub fn start(devices: &[B::Device], names: &[String], weights: &[f64]) -> Self {
+        let main = devices[0].clone();
+        let (reply_tx, replies) = channel::<Reply<B>>();
+        let workers = devices
+            .iter()
+            .enumerate()
+            .map(|(i, device)| {
+                let (jobs, rx) = channel::<Job<M>>();
+                let reply = reply_tx.clone();
+                let (device, main) = (device.clone(), main.clone());
+                let handle = std::thread::Builder::new()
+                    .name(format!("kiln-replica-{i}"))
+                    .spawn(move || {
+                        while let Ok(job) = rx.recv() {
+                            let t = Instant::now();
+                            let out = catch_unwind(AssertUnwindSafe(|| {
+                                run_job::<B, M>(job, &device, &main)
+                            }))
+                            .map_err(panic_message)
+                            .and_then(|r| r);
+                            if reply.send((i, out, t.elapsed().as_secs_f64())).is_err() {
+                                return;
+                            }
+                        }
+                    })
+                    .expect("spawning a replica thread should succeed");
+                Worker {
+                    name: names
+                        .get(i)
+                        .cloned()
+                        .unwrap_or_else(|| format!("device {i}")),
+                    jobs,
+                    handle,
+                }
+            })
+            .collect();
+        let weights = if weights.len() == devices.len() {
+            weights.to_vec()
+        } else {
+            vec![1.0; devices.len()]
+        };
+        let load = names
+            .iter()
+            .map(|n| DeviceLoad {
+                name: n.clone(),
+                ..DeviceLoad::default()
+            })
+            .collect();
+        Replicas {
+            workers,
+            replies,
+            weights,
+            load,
+        }
+    }
+
+    /// One optimizer step on `batch` over all devices.
+    pub fn step(
+        &mut self,
+        model: M,
+        optim: &mut Optim<M, B>,
+        batch: Batch,
+        lr: f64,
+        cfg: &TrainConfig,
+        step: u64,
+    ) -> Result<(M, Sums<B::InnerBackend>), ReplicaError> {
+        let total = batch.labels.len() as f64;
+        let mut parts: Vec<GradientsParams> = Vec::new();
+        let mut sums = None;
+        for micro in micro_batches(batch, cfg) {
+            let n = micro.labels.len();
+            let sizes = shard_sizes(n, &self.weights).ok_or(ReplicaError::TooSmall {
+                micro: n,
+                devices: self.workers.len(),
+            })?;
+            for (i, shard) in micro.split(&sizes).into_iter().enumerate() {
+                let job = Job {
+                    model: model.clone(),
+                    weight: shard.labels.len() as f64 / total,
+                    shard,
+                    label_smoothing: cfg.label_smoothing,
+                };
+                self.load[i].images += sizes[i];
+                if self.workers[i].jobs.send(job).is_err() {
+                    return Err(self.failed(i, step, "its thread has exited".into()));
+                }
+            }
+            let mut waiting: Vec<bool> = vec![true; self.workers.len()];
+            let mut first_error = None;
+            while waiting.iter().any(|w| *w) {
+                match self.replies.recv_timeout(Duration::from_millis(500)) {
+                    Ok((i, out, secs)) => {
+                        waiting[i] = false;
+                        self.load[i].busy_s += secs;
+                        match out {
+                            Ok((g, s)) => {
+                                parts.push(g);
+                                sums = Sums::accumulate(sums, s);
+                            }
+                            Err(msg) => {
+                                first_error.get_or_insert((i, msg));
+                            }
+                        }
+                    }
+                    Err(_) => {
+                        // A worker that died without replying would otherwise be waited for forever.
+                        if let Some(i) = (0..self.workers.len())
+                            .find(|&i| waiting[i] && self.workers[i].handle.is_finished())
+                        {
+                            return Err(self.failed(
+                                i,
+                                step,
+                                "its thread stopped without a reply".into(),
+                            ));
+                        }
+                    }
+                }
+            }
+            if let Some((i, msg)) = first_error {
+                return Err(self.failed(i, step, msg));
+            }
+        }
+        for l in &mut self.load {
+            l.steps += 1;
+        }
+        let mut sum = SumGrads {
+            parts: &mut parts,
+            out: GradientsParams::new(),
+        };
+        model.visit(&mut sum);
+        let grads = sum.out;
+        let sums = sums.expect("every step has at least one shard");
+        Ok((apply(model, optim, grads, lr, cfg), sums))
+    }
+
+    fn failed(&self, i: usize, step: u64, message: String) -> ReplicaError {
+        ReplicaError::Failed {
+            device: self.workers[i].name.clone(),
+            step,
+            message,
+        }
+    }
+
+    /// Per-device work since the last call, and resets it.
+    pub fn take_load(&mut self) -> Vec<DeviceLoad> {
+        self.load
+            .iter_mut()
+            .map(|l| {
+                let out = l.clone();
+                *l = DeviceLoad {
+                    name: l.name.clone(),
+                    ..DeviceLoad::default()
+                };
+                out
+            })
+            .collect()
+    }
+}
+
+fn run_job<B: AutodiffBackend, M: Classifier<B> + AutodiffModule<B>>(
+    job: Job<M>,
+    device: &B::Device,
+    main: &B::Device,
+) -> Result<(GradientsParams, Sums<B::InnerBackend>), String> {
+    let replica = job.model.fork(device);
+    let (grads, sums) =
+        forward_backward(&replica, job.shard, device, job.weight, job.label_smoothing);
+    let grads = grads.to_device(main, &replica);
+    let sums = sums.moved_to(main);
+    // Finish this device's work here, so its time is measured and errors surface on
+    // this thread, naming this device.
+    B::sync(device).map_err(|e| format!("{e:?}"))?;
+    Ok((grads, sums))
+}
+
+fn panic_message(payload: Box<dyn std::any::Any + Send>) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        format!("panicked: {s}")
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        format!("panicked: {s}")
+    } else {
+        "panicked".into()
+    }
+}
+
+/// Sums each parameter's gradient over the replicas, on the main device.
+struct SumGrads<'a> {
+    parts: &'a mut [GradientsParams],
+    out: GradientsParams,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for SumGrads<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let mut acc: Option<Tensor<B::InnerBackend, D>> = None;
+        for g in self.parts.iter_mut() {
+            if let Some(t) = g.remove::<B::InnerBackend, D>(param.id) {
+                acc = Some(match acc {
+                    Some(a) => a + t,
+                    None => t,
+                });
+            }
+        }
+        if let Some(a) = acc {
+            self.out.register::<B::InnerBackend, D>(param.id, a);
+        }
+    }
+}
+
+impl<B: AutodiffBackend, M> Drop for Replicas<B, M> {
+    fn drop(&mut self) {
+        // Closing the job channels ends the worker loops.
+        for w in self.workers.drain(..) {
+            drop(w.jobs);
+            let _ = w.handle.join();
+        }
+    }
+}
+
+/// One line per device for the epoch report, and a warning when step times differ by
+/// more than 15%, naming the slow device.
+pub fn balance_report(load: &[DeviceLoad]) -> (String, Option<String>) {
+    let per_step = |l: &DeviceLoad| {
+        if l.steps == 0 {
+            0.0
+        } else {
+            l.busy_s * 1e3 / l.steps as f64
+        }
+    };
+    let line = load
+        .iter()
+        .map(|l| {
+            format!(
+                "{} {} img/step {:.1} ms",
+                l.name,
+                l.images.checked_div(l.steps).unwrap_or(0),
+                per_step(l)
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(" | ");
+    let times: Vec<f64> = load.iter().map(per_step).collect();
+    let fast = times.iter().cloned().fold(f64::INFINITY, f64::min);
+    let (slow_i, slow) =
+        times.iter().enumerate().fold(
+            (0, 0.0),
+            |acc, (i, &t)| if t > acc.1 { (i, t) } else { acc },
+        );
+    let warning = (fast > 0.0 && slow > 1.15 * fast).then(|| {
+        format!(
+            "{} takes {:.0}% longer per step than the fastest device ({slow:.1} vs {fast:.1} ms); give it less with train.device_weights",
+            load[slow_i].name,
+            (slow / fast - 1.0) * 100.0
+        )
+    });
+    (line, warning)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{Config, TrainConfig};
+    use crate::model::{ModelSpec, ResNet};
+    use crate::test_util::{TestBackend, device, rng_lock};
+    use burn::module::Module;
+    use burn::nn::conv::{Conv2d, Conv2dConfig};
+    use burn::nn::{Linear, LinearConfig};
+    use burn::tensor::Distribution;
+    use burn::tensor::backend::Backend;
+
+    #[test]
+    fn shard_sizes_follow_weights_and_never_leave_a_shard_empty() {
+        for (n, w, expected) in [
+            (256, vec![1.0, 1.0], vec![128, 128]),
+            (10, vec![1.0, 1.0, 1.0], vec![4, 3, 3]),
+            (3, vec![1.0, 1.0, 1.0], vec![1, 1, 1]),
+            (100, vec![3.0, 1.0], vec![75, 25]),
+            (4, vec![100.0, 1.0], vec![3, 1]),
+            (7, vec![1.0; 8], vec![]),
+        ] {
+            let got = shard_sizes(n, &w).unwrap_or_default();
+            assert_eq!(got, expected, "n={n} w={w:?}");
+            if !got.is_empty() {
+                assert_eq!(got.iter().sum::<usize>(), n);
+                assert!(got.iter().all(|&s| s >= 1));
+            }
+        }
+    }
+
+    /// A small convnet without BatchNorm: data parallelism must match one device exactly
+    /// up to float rounding.
+    #[derive(Module, Debug)]
+    struct NoBn<B: Backend> {
+        conv: Conv2d<B>,
+        fc: Linear<B>,
+    }
+
+    impl<B: Backend> Classifier<B> for NoBn<B> {
+        fn forward(&self, x: Tensor<B, 4>) -> Tensor<B, 2> {
+            let x = burn::tensor::activation::relu(self.conv.forward(x)); // [N, 4, 6, 6]
+            self.fc.forward(x.flatten(1, 3))
+        }
+    }
+
+    fn batch(n: usize) -> Batch {
+        let images: Tensor<TestBackend, 4> =
+            Tensor::random([n, 3, 6, 6], Distribution::Normal(0.0, 1.0), &device());
+        Batch {
+            images: images.into_data().to_vec::<f32>().unwrap(),
+            labels: (0..n).map(|i| (i % 3) as i64).collect(),
+            shape: [n, 3, 6, 6],
+        }
+    }
+
+    /// The trainable parameters (BatchNorm's running statistics excluded).
+    fn params<M: Module<TestBackend>>(m: &M) -> Vec<f32> {
+        struct Collect(Vec<f32>);
+        impl<B: Backend> ModuleVisitor<B> for Collect {
+            fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
+                let t = p.val();
+                if t.is_require_grad() {
+                    self.0.extend(t.into_data().to_vec::<f32>().unwrap());
+                }
+            }
+        }
+        let mut c = Collect(Vec::new());
+        m.visit(&mut c);
+        c.0
+    }
+
+    /// Trains `init` for `steps` steps on `replicas` replicas sharing the CPU device.
+    fn train_on<M: Classifier<TestBackend> + AutodiffModule<TestBackend> + 'static>(
+        init: &M,
+        batches: &[Batch],
+        replicas: usize,
+        cfg: &Config,
+    ) -> M {
+        let devices = vec![device(); replicas];
+        let names: Vec<String> = (0..replicas).map(|i| format!("cpu#{i}")).collect();
+        let mut optim = Optim::<M, TestBackend>::new(&cfg.optim);
+        let mut model = init.clone();
+        if replicas == 1 {
+            for b in batches {
+                model = super::super::step::train_step(
+                    model,
+                    &mut optim,
+                    b.clone(),
+                    0.05,
+                    &cfg.train,
+                    &device(),
+                )
+                .0;
+            }
+            return model;
+        }
+        let mut r = Replicas::<TestBackend, M>::start(&devices, &names, &[]);
+        for (s, b) in batches.iter().enumerate() {
+            model = r
+                .step(model, &mut optim, b.clone(), 0.05, &cfg.train, s as u64)
+                .unwrap()
+                .0;
+        }
+        model
+    }
+
+    fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0, f32::max)
+    }
+
+    #[test]
+    fn replicas_without_batchnorm_match_one_device() {
+        let _rng = rng_lock();
+        TestBackend::seed(&device(), 3);
+        let init = crate::model::materialize(NoBn::<TestBackend> {
+            conv: Conv2dConfig::new([3, 4], [1, 1]).init(&device()),
+            fc: LinearConfig::new(4 * 36, 3).init(&device()),
+        });
+        let batches: Vec<Batch> = (0..4).map(|_| batch(12)).collect();
+        let mut cfg = Config::default();
+        cfg.optim.weight_decay = 1e-3;
+        let one = params(&train_on(&init, &batches, 1, &cfg));
+        for n in [2, 3, 4, 8] {
+            let many = params(&train_on(&init, &batches, n, &cfg));
+            assert!(
+                max_diff(&one, &many) < 1e-5,
+                "{n} replicas differ by {}",
+                max_diff(&one, &many)
+            );
+        }
+        assert!(
+            max_diff(&one, &params(&init)) > 1e-3,
+            "training should have moved the weights"
+        );
+    }
+
+    /// Learnable images: the synthetic dataset, so gradients carry signal, not noise.
+    fn learnable_batches(n: usize, steps: usize) -> Vec<Batch> {
+        let mut cfg = Config::default();
+        cfg.data.dataset = crate::config::DatasetKind::Synthetic;
+        cfg.data.image_size = 8;
+        cfg.data.synthetic_classes = 3;
+        cfg.data.synthetic_train_size = n * steps;
+        let data = crate::data::open(&cfg.data, 0).unwrap();
+        let (train, _) = data.loaders(&cfg.data, n, 0);
+        train.epoch(0, 0).map(Result::unwrap).collect()
+    }
+
+    #[test]
+    fn replicas_of_the_resnet_equal_one_device_with_one_micro_batch_per_replica() {
+        // With BatchNorm each shard is normalised with its own statistics: exactly what
+        // one device computes with a micro-batch per shard (gradient accumulation).
+        let _rng = rng_lock();
+        TestBackend::seed(&device(), 5);
+        let init: ResNet<TestBackend> = ModelSpec::new(
+            crate::config::Arch::Tiny,
+            crate::config::Stem::Small,
+            3,
+            3,
+            8,
+        )
+        .init(&device());
+        let batches = learnable_batches(48, 3);
+        for n in [2, 3, 4] {
+            let mut accum = Config::default();
+            accum.train.grad_accum_steps = n;
+            let one = params(&train_on(&init, &batches, 1, &accum));
+            let many = params(&train_on(&init, &batches, n, &Config::default()));
+            let d = max_diff(&one, &many);
+            assert!(d < 1e-4, "{n} replicas vs {n} micro-batches differ by {d}");
+        }
+    }
+
+    #[test]
+    fn replicas_of_the_resnet_stay_close_to_one_device() {
+        let _rng = rng_lock();
+        TestBackend::seed(&device(), 5);
+        let init: ResNet<TestBackend> = ModelSpec::new(
+            crate::config::Arch::Tiny,
+            crate::config::Stem::Small,
+            3,
+            3,
+            8,
+        )
+        .init(&device());
+        let batches = learnable_batches(64, 3);
+        let cfg = Config::default();
+        let start = params(&init);
+        let one = params(&train_on(&init, &batches, 1, &cfg));
+        let norm = |a: &[f32], b: &[f32]| {
+            a.iter()
+                .zip(b)
+                .map(|(x, y)| ((x - y) as f64).powi(2))
+                .sum::<f64>()
+                .sqrt()
+        };
+        let moved = norm(&one, &start);
+        for n in [2, 3] {
+            let many = params(&train_on(&init, &batches, n, &cfg));
+            // Per-shard batch statistics make the runs only close: compare the
+            // difference with how far training moved the weights.
+            let rel = norm(&one, &many) / moved;
+            eprintln!("{n} replicas: relative difference {rel:.4}");
+            assert!(rel < 0.25, "{n} replicas differ by {rel:.3} of the update");
+        }
+    }
+
+    /// Panics in forward when its shard holds a NaN: a replica that fails.
+    #[derive(Module, Debug)]
+    struct Fragile<B: Backend> {
+        inner: NoBn<B>,
+    }
+
+    impl<B: Backend> Classifier<B> for Fragile<B> {
+        fn forward(&self, x: Tensor<B, 4>) -> Tensor<B, 2> {
+            if x.clone().sum().into_scalar().elem::<f64>().is_nan() {
+                panic!("simulated device fault");
+            }
+            self.inner.forward(x)
+        }
+    }
+
+    use burn::tensor::ElementConversion;
+
+    #[test]
+    fn a_failing_replica_fails_the_step_naming_the_device() {
+        let _rng = rng_lock();
+        let model = crate::model::materialize(Fragile::<TestBackend> {
+            inner: NoBn {
+                conv: Conv2dConfig::new([3, 4], [1, 1]).init(&device()),
+                fc: LinearConfig::new(4 * 36, 3).init(&device()),
+            },
+        });
+        let mut b = batch(6);
+        // Poison the last two images: they land on the third replica.
+        let per = 3 * 6 * 6;
+        for v in &mut b.images[4 * per..] {
+            *v = f32::NAN;
+        }
+        let names: Vec<String> = (0..3).map(|i| format!("cpu#{i}")).collect();
+        let mut r = Replicas::<TestBackend, Fragile<TestBackend>>::start(
+            &[device(), device(), device()],
+            &names,
+            &[],
+        );
+        let mut optim = Optim::new(&Config::default().optim);
+        let err = r
+            .step(
+                model.clone(),
+                &mut optim,
+                b,
+                0.1,
+                &TrainConfig::default(),
+                7,
+            )
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            err.contains("cpu#2")
+                && err.contains("step 7")
+                && err.contains("simulated device fault"),
+            "{err}"
+        );
+        // The replicas are still usable afterwards.
+        let ok = r.step(model, &mut optim, batch(6), 0.1, &TrainConfig::default(), 8);
+        assert!(ok.is_ok());
+    }
+
+    #[test]
+    fn balance_report_names_a_slow_device() {
+        let load = |name: &str, busy: f64| DeviceLoad {
+            name: name.into(),
+            images: 1280,
+            steps: 10,
+            busy_s: busy,
+        };
+        let (line, warn) = balance_report(&[load("cuda:0", 0.40), load("cuda:1", 0.50)]);
+        assert!(line.contains("cuda:0 128 img/step 40.0 ms"), "{line}");
+        assert!(warn.unwrap().starts_with("cuda:1 takes 25% longer"));
+        assert!(
+            balance_report(&[load("a", 0.40), load("b", 0.44)])
+                .1
+                .is_none()
+        );
+    }
+}
