@@ -15,9 +15,10 @@ use super::loss::cross_entropy;
 use super::optim::Optim;
 use super::parallel::{ReplicaError, Replicas};
 use super::step::{to_device, train_step};
+use super::trainer::model_spec;
 use crate::config::Config;
 use crate::data::{Batch, Dataset};
-use crate::model::{ModelSpec, ResNet};
+use crate::model::ResNet;
 
 pub struct BenchJob {
     pub config: Config,
@@ -66,13 +67,7 @@ impl BackendJob for BenchJob {
         let device = devices[0].clone();
         let cfg = &self.config;
         let shape = self.dataset.shape();
-        let spec = ModelSpec::new(
-            cfg.model.arch,
-            cfg.model.stem,
-            shape.channels,
-            self.dataset.classes.len(),
-            shape.height,
-        );
+        let spec = model_spec(cfg, &self.dataset);
         B::seed(&device, cfg.train.seed);
         let mut model = spec.init::<B>(&device);
         let mut optim = Optim::<ResNet<B>, B>::new(&cfg.optim);

@@ -521,20 +521,24 @@ mod tests {
         train.epoch(0, 0).map(Result::unwrap).collect()
     }
 
-    #[test]
-    fn replicas_of_the_resnet_equal_one_device_with_one_micro_batch_per_replica() {
-        // With BatchNorm each shard is normalised with its own statistics: exactly what
-        // one device computes with a micro-batch per shard (gradient accumulation).
-        let _rng = rng_lock();
-        TestBackend::seed(&device(), 5);
-        let init: ResNet<TestBackend> = ModelSpec::new(
+    fn tiny_resnet() -> ResNet<TestBackend> {
+        ModelSpec::new(
             crate::config::Arch::Tiny,
             crate::config::Stem::Small,
             3,
             3,
             8,
         )
-        .init(&device());
+        .init(&device())
+    }
+
+    #[test]
+    fn replicas_of_the_resnet_equal_one_device_with_one_micro_batch_per_replica() {
+        // With BatchNorm each shard is normalised with its own statistics: exactly what
+        // one device computes with a micro-batch per shard (gradient accumulation).
+        let _rng = rng_lock();
+        TestBackend::seed(&device(), 5);
+        let init = tiny_resnet();
         let batches = learnable_batches(48, 3);
         for n in [2, 3, 4] {
             let mut accum = Config::default();
@@ -550,14 +554,7 @@ mod tests {
     fn replicas_of_the_resnet_stay_close_to_one_device() {
         let _rng = rng_lock();
         TestBackend::seed(&device(), 5);
-        let init: ResNet<TestBackend> = ModelSpec::new(
-            crate::config::Arch::Tiny,
-            crate::config::Stem::Small,
-            3,
-            3,
-            8,
-        )
-        .init(&device());
+        let init = tiny_resnet();
         let batches = learnable_batches(64, 3);
         let cfg = Config::default();
         let start = params(&init);

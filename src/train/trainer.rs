@@ -136,14 +136,7 @@ pub fn fit<B: AutodiffBackend>(
     }
     let mut replicas = (devices.len() > 1)
         .then(|| Replicas::<B, ResNet<B>>::start(&devices, &job.devices, weights));
-    let shape = job.dataset.shape();
-    let spec = ModelSpec::new(
-        cfg.model.arch,
-        cfg.model.stem,
-        shape.channels,
-        job.dataset.classes.len(),
-        shape.height.min(shape.width),
-    );
+    let spec = model_spec(cfg, &job.dataset);
     B::seed(&device, cfg.train.seed);
     let mut model = spec.init::<B>(&device);
     let mut optim = Optim::<ResNet<B>, B>::new(&cfg.optim);
@@ -356,6 +349,18 @@ pub fn fit<B: AutodiffBackend>(
     };
     run.write_reports(&state, status)?;
     Ok((outcome, state))
+}
+
+/// The network `[model]` describes, fitted to the dataset's channels, classes and size.
+pub fn model_spec(cfg: &Config, dataset: &Dataset) -> ModelSpec {
+    let shape = dataset.shape();
+    ModelSpec::new(
+        cfg.model.arch,
+        cfg.model.stem,
+        shape.channels,
+        dataset.classes.len(),
+        shape.height.min(shape.width),
+    )
 }
 
 /// Reads running sums without consuming them (one synchronisation).
