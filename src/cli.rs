@@ -46,6 +46,19 @@ pub struct TrainArgs {
     /// like `0,1` (after CUDA_VISIBLE_DEVICES).
     #[arg(long, value_name = "GPUS")]
     pub devices: Option<String>,
+    /// Restart a failed run from its latest checkpoint at most this many times (a
+    /// failed or hung GPU is left out of the next attempt).
+    #[arg(long, value_name = "N", default_value_t = 3)]
+    pub max_restarts: u32,
+    /// Train in this process, without the supervisor (no automatic restarts).
+    #[arg(long)]
+    pub no_supervisor: bool,
+    /// Set by the supervisor for the process it starts.
+    #[arg(long, hide = true)]
+    pub supervised: bool,
+    /// Set by the supervisor: start a fresh run in this existing directory.
+    #[arg(long, hide = true, value_name = "RUN_DIR")]
+    pub run_dir: Option<PathBuf>,
 }
 
 /// `--devices X` as the `--set` it stands for.

@@ -8,6 +8,7 @@ mod device;
 mod exit;
 mod model;
 mod report;
+mod run;
 #[cfg(test)]
 mod test_util;
 mod train;

@@ -4,6 +4,7 @@
 mod bench;
 mod devices;
 mod eval;
+mod supervise;
 mod train;
 
 use std::process::ExitCode;

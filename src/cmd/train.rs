@@ -11,6 +11,7 @@ use crate::cli::TrainArgs;
 use crate::config::{self, Config};
 use crate::device::DevicePlan;
 use crate::exit::{INTERRUPTED, UsageError};
+use crate::run::failure::{UsedDevice, write_devices};
 use crate::train::backend::with_backend;
 use crate::train::{Outcome, TrainJob};
 
@@ -27,26 +28,61 @@ const FIXED_ON_RESUME: &[&str] = &[
 ];
 
 pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
+    if args.supervised || args.no_supervisor {
+        train_here(args)
+    } else {
+        super::supervise::run(args)
+    }
+}
+
+/// The run to continue (`--resume`), the config, the config's name, and notes on
+/// what changed since the run's own config.
+pub fn resolve(args: &TrainArgs) -> anyhow::Result<(Option<PathBuf>, Config, String, Vec<String>)> {
     let resume_dir = match &args.resume {
         None => None,
-        Some(None) => Some(newest_run(&args)?),
+        Some(None) => Some(newest_run(args)?),
         Some(Some(p)) => Some(p.clone()),
     };
-    let mut args = args;
+    let mut sets = args.sets.clone();
     if let Some(spec) = &args.devices {
-        args.sets.push(crate::cli::devices_override(spec));
+        sets.push(crate::cli::devices_override(spec));
     }
-    let (config, name) = load_config(&args, resume_dir.as_deref())?;
+    let (config, name) = load_config(args.config.as_deref(), &sets, resume_dir.as_deref())?;
+    let notes = match &resume_dir {
+        Some(dir) => check_resumable(dir, &config)?,
+        None => Vec::new(),
+    };
+    Ok((resume_dir, config, name, notes))
+}
 
-    let run_dir = match &resume_dir {
-        Some(dir) => {
-            check_resumable(dir, &config)?;
-            dir.clone()
-        }
-        None => create_run_dir(&args.output, &name)?,
+/// Trains in this process.
+fn train_here(args: TrainArgs) -> anyhow::Result<ExitCode> {
+    let (resume_dir, config, name, notes) = resolve(&args)?;
+    for note in notes {
+        eprintln!("kiln: note: {note}");
+    }
+    let run_dir = match (&resume_dir, &args.run_dir) {
+        (Some(dir), _) => dir.clone(),
+        (None, Some(dir)) => dir.clone(),
+        (None, None) => create_run_dir(&args.output, &name)?,
     };
 
     let plan = super::plan_devices(&config.devices)?;
+    let used: Vec<UsedDevice> = match &plan {
+        DevicePlan::Cuda { gpus, .. } => gpus
+            .iter()
+            .map(|g| UsedDevice {
+                name: format!("cuda:{} {}", g.ordinal, g.name),
+                uuid: g.uuid.clone(),
+            })
+            .collect(),
+        DevicePlan::Cpu { .. } => vec![UsedDevice {
+            name: "cpu".into(),
+            uuid: String::new(),
+        }],
+    };
+    write_devices(&run_dir, &used)
+        .with_context(|| format!("writing the device list into {}", run_dir.display()))?;
     let dataset = crate::data::open(&config.data, config.train.seed)?;
     eprintln!(
         "kiln: data: {:?} at {} ({} train / {} test images, {}x{}x{}, {} classes)",
@@ -124,9 +160,13 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
 }
 
 /// The config file (plus `--set`), or the run's own `config.toml` when resuming without one.
-fn load_config(args: &TrainArgs, resume_dir: Option<&Path>) -> anyhow::Result<(Config, String)> {
-    let path = match (&args.config, resume_dir) {
-        (Some(p), _) => p.clone(),
+fn load_config(
+    file: Option<&Path>,
+    sets: &[String],
+    resume_dir: Option<&Path>,
+) -> anyhow::Result<(Config, String)> {
+    let path = match (file, resume_dir) {
+        (Some(p), _) => p.to_path_buf(),
         (None, Some(dir)) => dir.join("config.toml"),
         (None, None) => {
             return Err(
@@ -134,7 +174,7 @@ fn load_config(args: &TrainArgs, resume_dir: Option<&Path>) -> anyhow::Result<(C
             );
         }
     };
-    let config = config::load(&path, &args.sets)?;
+    let config = config::load(&path, sets)?;
     let name = path
         .file_stem()
         .map(|s| s.to_string_lossy().into_owned())
@@ -177,7 +217,8 @@ fn newest_run(args: &TrainArgs) -> anyhow::Result<PathBuf> {
 }
 
 /// The run dir must exist; keys that define the run must not change.
-fn check_resumable(dir: &Path, config: &Config) -> anyhow::Result<()> {
+fn check_resumable(dir: &Path, config: &Config) -> anyhow::Result<Vec<String>> {
+    let mut notes = Vec::new();
     let saved_path = dir.join("config.toml");
     if !saved_path.is_file() {
         return Err(UsageError(format!(
@@ -204,12 +245,12 @@ fn check_resumable(dir: &Path, config: &Config) -> anyhow::Result<()> {
         .into());
     }
     for (k, a, b) in changes {
-        eprintln!("kiln: note: resuming with {k} changed from {a} to {b}");
+        notes.push(format!("resuming with {k} changed from {a} to {b}"));
     }
-    Ok(())
+    Ok(notes)
 }
 
-fn create_run_dir(output: &Path, name: &str) -> anyhow::Result<PathBuf> {
+pub fn create_run_dir(output: &Path, name: &str) -> anyhow::Result<PathBuf> {
     std::fs::create_dir_all(output)
         .with_context(|| format!("creating output folder {}", output.display()))?;
     let stamp: String = humantime::format_rfc3339_seconds(std::time::SystemTime::now())

@@ -17,6 +17,7 @@ pub struct Config {
     pub optim: OptimConfig,
     pub devices: DevicesConfig,
     pub checkpoint: CheckpointConfig,
+    pub faults: FaultsConfig,
 }
 
 /// Which network to train.
@@ -202,6 +203,11 @@ pub struct TrainConfig {
     pub eval_every_epochs: u32,
     /// Print a progress line every this many steps when stderr is not a terminal.
     pub log_every_steps: u64,
+    /// A step that takes longer than this many seconds counts as a hang: the process
+    /// records which device it waited for and exits (75) so the supervisor restarts
+    /// it. 0: automatic (the larger of 300 s and 50 times the median step). The first
+    /// step of a process (kernel compilation) is not watched.
+    pub hang_timeout_s: f64,
     /// Kernel autotuning on CUDA; ignored on the CPU.
     pub autotune: Autotune,
     /// Relative share of each global batch per device, in the order of the devices
@@ -221,6 +227,7 @@ impl Default for TrainConfig {
             grad_clip_norm: 0.0,
             eval_every_epochs: 1,
             log_every_steps: 100,
+            hang_timeout_s: 0.0,
             autotune: Autotune::Balanced,
             device_weights: Vec::new(),
         }
@@ -447,6 +454,42 @@ impl Default for CheckpointConfig {
     }
 }
 
+/// What an injected fault does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FaultKind {
+    /// No fault (the default).
+    None,
+    /// The device's step returns an error, as a failed CUDA call would.
+    Error,
+    /// The device's thread panics, as cubecl does on many CUDA faults.
+    Panic,
+    /// The device's step never finishes, as a hung GPU would.
+    Hang,
+}
+
+/// `[faults]`: fault injection for testing recovery. Off unless asked; fires once per
+/// run (a restarted run does not fail again).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct FaultsConfig {
+    pub inject: FaultKind,
+    /// Position, among the devices used, of the device that fails.
+    pub device: usize,
+    /// Optimizer step (1-based) during which it fails.
+    pub step: u64,
+}
+
+impl Default for FaultsConfig {
+    fn default() -> Self {
+        Self {
+            inject: FaultKind::None,
+            device: 0,
+            step: 1,
+        }
+    }
+}
+
 impl Config {
     /// Rules that involve more than one field or a range serde cannot express.
     pub fn validate(&self) -> Result<(), ConfigError> {
@@ -642,6 +685,16 @@ impl Config {
                     ids.len() - 1
                 ),
             );
+        }
+        if !(t.hang_timeout_s >= 0.0 && t.hang_timeout_s.is_finite()) {
+            return bad(
+                "train.hang_timeout_s",
+                t.hang_timeout_s.to_string(),
+                "0 (automatic) or a number of seconds",
+            );
+        }
+        if self.faults.inject != FaultKind::None && self.faults.step == 0 {
+            return bad("faults.step", "0".into(), "a step number from 1");
         }
         if self.checkpoint.keep_last == 0 {
             return bad(

@@ -89,7 +89,10 @@ impl BackendJob for BenchJob {
                         optim: &mut Optim<ResNet<B>, B>|
          -> Result<ResNet<B>, ReplicaError> {
             Ok(match replicas.as_mut() {
-                Some(r) => r.step(model, optim, batch.clone(), lr, &cfg.train, 0)?.0,
+                Some(r) => {
+                    r.step(model, optim, batch.clone(), lr, &cfg.train, 0, None)?
+                        .0
+                }
                 None => train_step(model, optim, batch.clone(), lr, &cfg.train, &device).0,
             })
         };

@@ -16,6 +16,7 @@
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::mpsc::{Receiver, Sender, channel};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -26,7 +27,7 @@ use burn::tensor::backend::AutodiffBackend;
 
 use super::optim::Optim;
 use super::step::{Sums, apply, forward_backward, micro_batches};
-use crate::config::TrainConfig;
+use crate::config::{FaultKind, TrainConfig};
 use crate::data::Batch;
 use crate::model::Classifier;
 
@@ -65,6 +66,8 @@ pub enum ReplicaError {
     #[error("replica on {device} failed at step {step}: {message}")]
     Failed {
         device: String,
+        /// Position of the device among those used.
+        position: usize,
         step: u64,
         message: String,
     },
@@ -79,6 +82,8 @@ struct Job<M> {
     shard: Batch,
     weight: f64,
     label_smoothing: f64,
+    /// An injected fault this job must act out (`[faults]`).
+    fault: Option<FaultKind>,
 }
 
 type Reply<B> = (
@@ -109,6 +114,8 @@ pub struct Replicas<B: AutodiffBackend, M> {
     replies: Receiver<Reply<B>>,
     weights: Vec<f64>,
     load: Vec<DeviceLoad>,
+    /// Which devices the current step still waits for.
+    pending: Arc<Mutex<Vec<bool>>>,
 }
 
 impl<B: AutodiffBackend, M: Classifier<B> + AutodiffModule<B> + 'static> Replicas<B, M> {
@@ -161,6 +168,7 @@ impl<B: AutodiffBackend, M: Classifier<B> + AutodiffModule<B> + 'static> Replica
             })
             .collect();
         Replicas {
+            pending: Arc::new(Mutex::new(vec![false; devices.len()])),
             workers,
             replies,
             weights,
@@ -168,7 +176,9 @@ impl<B: AutodiffBackend, M: Classifier<B> + AutodiffModule<B> + 'static> Replica
         }
     }
 
-    /// One optimizer step on `batch` over all devices.
+    /// One optimizer step on `batch` over all devices; `fault` makes the device at that
+    /// position act out an injected fault.
+    #[allow(clippy::too_many_arguments)]
     pub fn step(
         &mut self,
         model: M,
@@ -177,8 +187,11 @@ impl<B: AutodiffBackend, M: Classifier<B> + AutodiffModule<B> + 'static> Replica
         lr: f64,
         cfg: &TrainConfig,
         step: u64,
+        fault: Option<(usize, FaultKind)>,
     ) -> Result<(M, Sums<B::InnerBackend>), ReplicaError> {
         let total = batch.labels.len() as f64;
+        // Kept in device order and summed in that order, whatever order the replies
+        // come in: float addition is not associative, and runs must repeat exactly.
         let mut parts: Vec<GradientsParams> = Vec::new();
         let mut sums = None;
         for micro in micro_batches(batch, cfg) {
@@ -193,6 +206,7 @@ impl<B: AutodiffBackend, M: Classifier<B> + AutodiffModule<B> + 'static> Replica
                     weight: shard.labels.len() as f64 / total,
                     shard,
                     label_smoothing: cfg.label_smoothing,
+                    fault: fault.filter(|(p, _)| *p == i).map(|(_, k)| k),
                 };
                 self.load[i].images += sizes[i];
                 if self.workers[i].jobs.send(job).is_err() {
@@ -200,17 +214,21 @@ impl<B: AutodiffBackend, M: Classifier<B> + AutodiffModule<B> + 'static> Replica
                 }
             }
             let mut waiting: Vec<bool> = vec![true; self.workers.len()];
+            let mut replies: Vec<Option<(GradientsParams, Sums<B::InnerBackend>)>> =
+                (0..self.workers.len()).map(|_| None).collect();
+            self.pending
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .fill(true);
             let mut first_error = None;
             while waiting.iter().any(|w| *w) {
                 match self.replies.recv_timeout(Duration::from_millis(500)) {
                     Ok((i, out, secs)) => {
                         waiting[i] = false;
+                        self.pending.lock().unwrap_or_else(|e| e.into_inner())[i] = false;
                         self.load[i].busy_s += secs;
                         match out {
-                            Ok((g, s)) => {
-                                parts.push(g);
-                                sums = Sums::accumulate(sums, s);
-                            }
+                            Ok(reply) => replies[i] = Some(reply),
                             Err(msg) => {
                                 first_error.get_or_insert((i, msg));
                             }
@@ -233,6 +251,10 @@ impl<B: AutodiffBackend, M: Classifier<B> + AutodiffModule<B> + 'static> Replica
             if let Some((i, msg)) = first_error {
                 return Err(self.failed(i, step, msg));
             }
+            for (g, s) in replies.into_iter().flatten() {
+                parts.push(g);
+                sums = Sums::accumulate(sums, s);
+            }
         }
         for l in &mut self.load {
             l.steps += 1;
@@ -250,9 +272,20 @@ impl<B: AutodiffBackend, M: Classifier<B> + AutodiffModule<B> + 'static> Replica
     fn failed(&self, i: usize, step: u64, message: String) -> ReplicaError {
         ReplicaError::Failed {
             device: self.workers[i].name.clone(),
+            position: i,
             step,
             message,
         }
+    }
+
+    /// For the watchdog: the first device the current step still waits for.
+    pub fn pending_probe(&self) -> super::watchdog::Pending {
+        let pending = self.pending.clone();
+        let names: Vec<String> = self.workers.iter().map(|w| w.name.clone()).collect();
+        Box::new(move || {
+            let p = pending.lock().unwrap_or_else(|e| e.into_inner());
+            p.iter().position(|w| *w).map(|i| (i, names[i].clone()))
+        })
     }
 
     /// Per-device work since the last call, and resets it.
@@ -276,6 +309,9 @@ fn run_job<B: AutodiffBackend, M: Classifier<B> + AutodiffModule<B>>(
     device: &B::Device,
     main: &B::Device,
 ) -> Result<(GradientsParams, Sums<B::InnerBackend>), String> {
+    if let Some(kind) = job.fault {
+        act_out(kind)?;
+    }
     let replica = job.model.fork(device);
     let (grads, sums) =
         forward_backward(&replica, job.shard, device, job.weight, job.label_smoothing);
@@ -285,6 +321,18 @@ fn run_job<B: AutodiffBackend, M: Classifier<B> + AutodiffModule<B>>(
     // this thread, naming this device.
     B::sync(device).map_err(|e| format!("{e:?}"))?;
     Ok((grads, sums))
+}
+
+/// Does what an injected fault of `kind` stands for, on the calling thread.
+pub fn act_out(kind: FaultKind) -> Result<(), String> {
+    match kind {
+        FaultKind::None => Ok(()),
+        FaultKind::Error => Err("injected fault (faults.inject = \"error\")".into()),
+        FaultKind::Panic => panic!("injected fault (faults.inject = \"panic\")"),
+        FaultKind::Hang => loop {
+            std::thread::sleep(Duration::from_secs(3600));
+        },
+    }
 }
 
 fn panic_message(payload: Box<dyn std::any::Any + Send>) -> String {
@@ -469,7 +517,15 @@ mod tests {
         let mut r = Replicas::<TestBackend, M>::start(&devices, &names, &[]);
         for (s, b) in batches.iter().enumerate() {
             model = r
-                .step(model, &mut optim, b.clone(), 0.05, &cfg.train, s as u64)
+                .step(
+                    model,
+                    &mut optim,
+                    b.clone(),
+                    0.05,
+                    &cfg.train,
+                    s as u64,
+                    None,
+                )
                 .unwrap()
                 .0;
         }
@@ -624,6 +680,7 @@ mod tests {
                 0.1,
                 &TrainConfig::default(),
                 7,
+                None,
             )
             .err()
             .unwrap()
@@ -635,7 +692,15 @@ mod tests {
             "{err}"
         );
         // The replicas are still usable afterwards.
-        let ok = r.step(model, &mut optim, batch(6), 0.1, &TrainConfig::default(), 8);
+        let ok = r.step(
+            model,
+            &mut optim,
+            batch(6),
+            0.1,
+            &TrainConfig::default(),
+            8,
+            None,
+        );
         assert!(ok.is_ok());
     }
 

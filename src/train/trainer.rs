@@ -13,14 +13,17 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use super::backend::BackendJob;
 use super::checkpoint::{self, CheckpointError, Store};
 use super::optim::Optim;
-use super::parallel::{ReplicaError, Replicas, balance_report};
+use super::parallel::{ReplicaError, Replicas, act_out, balance_report};
 use super::schedule::{Horizon, lr_at};
 use super::state::{EpochRecord, TrainState};
 use super::step::{Sums, eval_batch, train_step};
+use super::watchdog::{Pending, Watchdog};
 use crate::config::Config;
+use crate::config::{FaultKind, FaultsConfig};
 use crate::data::{DataError, Dataset, Loader};
 use crate::model::{ModelSpec, ResNet};
 use crate::report::{self, Progress, Summary, Ticker};
+use crate::run::failure::{Failure, write_failure};
 
 #[derive(Debug, thiserror::Error)]
 pub enum TrainError {
@@ -136,6 +139,15 @@ pub fn fit<B: AutodiffBackend>(
     }
     let mut replicas = (devices.len() > 1)
         .then(|| Replicas::<B, ResNet<B>>::start(&devices, &job.devices, weights));
+    let pending: Pending = match &replicas {
+        Some(r) => r.pending_probe(),
+        None => {
+            let name = job.devices[0].clone();
+            Box::new(move || Some((0, name.clone())))
+        }
+    };
+    let watchdog = Watchdog::start(cfg.train.hang_timeout_s, job.run_dir.clone(), pending);
+    let mut faults = Faults::new(&cfg.faults, &job.run_dir);
     let spec = model_spec(cfg, &job.dataset);
     B::seed(&device, cfg.train.seed);
     let mut model = spec.init::<B>(&device);
@@ -231,10 +243,38 @@ pub fn fit<B: AutodiffBackend>(
                 })
             });
             let t0 = Instant::now();
+            let fault = faults.take(state.step + 1, devices.len());
+            watchdog.step_started(state.step + 1);
             let (m, s) = match replicas.as_mut() {
-                Some(r) => r.step(model, &mut optim, batch, lr, &cfg.train, state.step + 1)?,
-                None => train_step(model, &mut optim, batch, lr, &cfg.train, &device),
+                Some(r) => r
+                    .step(
+                        model,
+                        &mut optim,
+                        batch,
+                        lr,
+                        &cfg.train,
+                        state.step + 1,
+                        fault,
+                    )
+                    .map_err(|e| record_failure(&job.run_dir, e))?,
+                None => {
+                    if let Some((_, kind)) = fault {
+                        act_out(kind).map_err(|message| {
+                            record_failure(
+                                &job.run_dir,
+                                ReplicaError::Failed {
+                                    device: job.devices[0].clone(),
+                                    position: 0,
+                                    step: state.step + 1,
+                                    message,
+                                },
+                            )
+                        })?;
+                    }
+                    train_step(model, &mut optim, batch, lr, &cfg.train, &device)
+                }
             };
+            watchdog.step_finished();
             model = m;
             window.1 += s.images;
             let step_sums = s;
@@ -351,6 +391,63 @@ pub fn fit<B: AutodiffBackend>(
     Ok((outcome, state))
 }
 
+/// `[faults]` for one run: fires once, and never again after a restart (a marker in
+/// the run dir remembers that it fired).
+struct Faults {
+    plan: Option<(usize, u64, FaultKind)>,
+    marker: PathBuf,
+}
+
+impl Faults {
+    fn new(cfg: &FaultsConfig, run_dir: &std::path::Path) -> Self {
+        let marker = run_dir.join("faults-fired");
+        let plan = (cfg.inject != FaultKind::None && !marker.exists())
+            .then_some((cfg.device, cfg.step, cfg.inject));
+        Faults { plan, marker }
+    }
+
+    /// The fault for optimizer step `step`, if it is due on an existing device.
+    fn take(&mut self, step: u64, devices: usize) -> Option<(usize, FaultKind)> {
+        match self.plan {
+            Some((device, at, kind)) if at == step && device < devices => {
+                self.plan = None;
+                let _ = std::fs::write(
+                    &self.marker,
+                    format!("{kind:?} on device {device} at step {step}\n"),
+                );
+                Some((device, kind))
+            }
+            _ => None,
+        }
+    }
+}
+
+/// Writes `failure.json` for the supervisor, then passes the error on.
+fn record_failure(run_dir: &std::path::Path, e: ReplicaError) -> ReplicaError {
+    if let ReplicaError::Failed {
+        device,
+        position,
+        step,
+        message,
+    } = &e
+    {
+        let failure = Failure {
+            step: *step,
+            device_position: Some(*position),
+            device: device.clone(),
+            kind: "error".into(),
+            message: message.clone(),
+        };
+        if let Err(io) = write_failure(run_dir, &failure) {
+            eprintln!(
+                "kiln: warning: cannot record the failure in {}: {io}",
+                run_dir.display()
+            );
+        }
+    }
+    e
+}
+
 /// The network `[model]` describes, fitted to the dataset's channels, classes and size.
 pub fn model_spec(cfg: &Config, dataset: &Dataset) -> ModelSpec {
     let shape = dataset.shape();
@@ -426,7 +523,7 @@ fn epoch_line(r: &EpochRecord, epochs: u32) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{Arch, BackendChoice, DatasetKind};
+    use crate::config::{Arch, BackendChoice, DatasetKind, FaultKind};
     use crate::test_util::{TestBackend, device, rng_lock};
     use burn::module::{Module, ModuleVisitor, Param};
     use burn::tensor::Tensor;
@@ -464,6 +561,25 @@ mod tests {
         fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
             self.0.push(p.val().into_data().to_vec::<f32>().unwrap());
         }
+    }
+
+    fn trainable(run_dir: &std::path::Path, state: &TrainState) -> Vec<Vec<f32>> {
+        struct OnlyTrainable(Vec<Vec<f32>>);
+        impl<B: Backend> ModuleVisitor<B> for OnlyTrainable {
+            fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
+                let t = p.val();
+                if t.is_require_grad() {
+                    self.0.push(t.into_data().to_vec::<f32>().unwrap());
+                }
+            }
+        }
+        let (dir, _) = Store::new(run_dir).latest_valid(|_| {}).unwrap();
+        let model = state.spec.init::<TestBackend>(&device());
+        let model = checkpoint::read_model(&dir, model, &device()).unwrap();
+        let mut c = OnlyTrainable(Vec::new());
+        model.visit(&mut c);
+        assert!(!c.0.is_empty());
+        c.0
     }
 
     fn final_params(run_dir: &std::path::Path, state: &TrainState) -> Vec<Vec<f32>> {
@@ -530,6 +646,49 @@ mod tests {
             (Outcome::Finished, 16, 2)
         );
         assert!(b.history[1].train_loss < b.history[0].train_loss * 1.5);
+    }
+
+    #[test]
+    fn losing_a_replica_and_finishing_on_the_rest_equals_resuming_on_the_rest() {
+        let _rng = rng_lock();
+        let three = || vec![device(), device(), device()];
+        let names = |n: usize| (0..n).map(|i| format!("cpu#{i}")).collect::<Vec<_>>();
+        let mut base = config();
+        base.checkpoint.every_steps = 4;
+        base.checkpoint.keep_last = 10;
+
+        // Replica 2 fails during step 6 (mid-epoch 1); the run goes on with two.
+        let failed = crate::test_util::tempdir();
+        let mut faulty = base.clone();
+        faulty.faults.inject = FaultKind::Error;
+        faulty.faults.device = 2;
+        faulty.faults.step = 6;
+        let mut j = job(faulty.clone(), failed.path(), false);
+        j.devices = names(3);
+        let err = fit::<TestBackend>(j, three()).unwrap_err().to_string();
+        assert!(err.contains("cpu#2") && err.contains("step 6"), "{err}");
+        let record = std::fs::read_to_string(failed.path().join("failure.json")).unwrap();
+        assert!(record.contains("\"device_position\": 2"), "{record}");
+        let mut j = job(faulty, failed.path(), true);
+        j.devices = names(2);
+        let (_, a) = fit::<TestBackend>(j, vec![device(), device()]).unwrap();
+
+        // The same run stopped at that checkpoint (step 4) and resumed on two.
+        let planned = crate::test_util::tempdir();
+        let mut stop = base.clone();
+        stop.train.max_steps = 4;
+        let mut j = job(stop, planned.path(), false);
+        j.devices = names(3);
+        fit::<TestBackend>(j, three()).unwrap();
+        let mut j = job(base, planned.path(), true);
+        j.devices = names(2);
+        let (_, b) = fit::<TestBackend>(j, vec![device(), device()]).unwrap();
+
+        assert_eq!((a.step, b.step), (16, 16));
+        // Trainable parameters: BatchNorm's running statistics are averaged over the
+        // replicas by Burn in hash-map order, which varies in the last bits.
+        let (pa, pb) = (trainable(failed.path(), &a), trainable(planned.path(), &b));
+        assert_eq!(pa, pb);
     }
 
     #[test]

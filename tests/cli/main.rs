@@ -380,3 +380,105 @@ fn image_folder_dataset_trains() {
     .success()
     .stderr_has("16 train / 16 test images, 3x8x8, 2 classes");
 }
+
+fn summary(run: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(run.join("summary.json")).unwrap()).unwrap()
+}
+
+#[test]
+fn the_supervisor_restarts_a_failed_run_which_ends_as_an_uninterrupted_one() {
+    let plain = tempdir("sup-plain");
+    train(&plain, &["checkpoint.every_steps=2"]).success();
+    let failed = tempdir("sup-error");
+    train(
+        &failed,
+        &[
+            "checkpoint.every_steps=2",
+            "faults.inject=error",
+            "faults.step=5",
+        ],
+    )
+    .success()
+    .stderr_has("replica on cpu failed at step 5")
+    .stderr_has("supervisor: cpu failed at step 5")
+    .stderr_has("restart 1 of 3")
+    .stderr_has("resuming from")
+    .stderr_has("step-000000004");
+    let (a, b) = (summary(&run_dir(&plain)), summary(&run_dir(&failed)));
+    assert_eq!(a["final_test_loss"], b["final_test_loss"], "{a} vs {b}");
+}
+
+#[test]
+fn the_supervisor_restarts_after_a_panic_and_after_a_hang() {
+    let out = tempdir("sup-panic");
+    train(
+        &out,
+        &[
+            "checkpoint.every_steps=2",
+            "faults.inject=panic",
+            "faults.step=6",
+        ],
+    )
+    .success()
+    .stderr_has("the training process panicked; restarting")
+    .stderr_has("finished 3 epochs");
+    let out = tempdir("sup-hang");
+    train(
+        &out,
+        &[
+            "checkpoint.every_steps=2",
+            "faults.inject=hang",
+            "faults.step=6",
+            "train.hang_timeout_s=1",
+        ],
+    )
+    .success()
+    .stderr_has("step 6 hung on cpu")
+    .stderr_has("cpu hung at step 6")
+    .stderr_has("finished 3 epochs");
+}
+
+#[test]
+fn without_restarts_left_the_failure_is_the_exit_code() {
+    let out = tempdir("sup-none");
+    let mut cmd = kiln();
+    cmd.args([
+        "train",
+        "--config",
+        DEBUG_TOML,
+        "--max-restarts",
+        "0",
+        "--output",
+    ])
+    .arg(&out);
+    cmd.args(["--set", "faults.inject=error", "--set", "faults.step=3"]);
+    Output::of(&mut cmd)
+        .code(75)
+        .stderr_has("giving up after 0 restart(s)");
+}
+
+#[test]
+fn an_unwritable_checkpoint_stops_training_and_keeps_the_previous_one() {
+    let out = tempdir("disk");
+    train(&out, &["train.epochs=2"]).success();
+    let run = run_dir(&out);
+    // Something that is not a directory where the next checkpoint's temporary
+    // directory must go (root ignores permission bits, so no chmod here).
+    std::fs::write(run.join("checkpoints/step-000000024.tmp"), "in the way").unwrap();
+    Output::of(
+        kiln()
+            .args(["train", "--set", "train.epochs=3", "--resume"])
+            .arg(&run),
+    )
+    .code(1)
+    .stderr_has("checkpoint I/O failed")
+    .stderr_has("step-000000024.tmp")
+    .stderr_lacks("supervisor: ");
+    assert!(
+        run.join("checkpoints/step-000000016/manifest.json")
+            .is_file()
+    );
+    Output::of(kiln().args(["eval", "--run"]).arg(&run))
+        .success()
+        .stdout_has("step-000000016");
+}
