@@ -482,3 +482,66 @@ fn an_unwritable_checkpoint_stops_training_and_keeps_the_previous_one() {
         .success()
         .stdout_has("step-000000016");
 }
+
+#[test]
+fn a_run_killed_with_sigkill_resumes_and_ends_as_an_uninterrupted_one() {
+    let plain = tempdir("kill-plain");
+    train(&plain, &["checkpoint.every_steps=2"]).success();
+    // Hold the run inside step 7 (an injected hang the watchdog would only notice
+    // after 10 minutes), then kill -9 it.
+    let out = tempdir("kill");
+    let mut child = kiln()
+        .args([
+            "train",
+            "--no-supervisor",
+            "--config",
+            DEBUG_TOML,
+            "--output",
+        ])
+        .arg(&out)
+        .args([
+            "--set",
+            "checkpoint.every_steps=2",
+            "--set",
+            "faults.inject=hang",
+        ])
+        .args([
+            "--set",
+            "faults.step=7",
+            "--set",
+            "train.hang_timeout_s=600",
+        ])
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let run = loop {
+        let found = std::fs::read_dir(&out)
+            .ok()
+            .and_then(|mut d| d.next())
+            .map(|e| e.unwrap().path())
+            .filter(|r| r.join("checkpoints/step-000000006/manifest.json").is_file());
+        if let Some(r) = found {
+            break r;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the run never reached step 6"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    child.kill().unwrap(); // SIGKILL
+    child.wait().unwrap();
+    Output::of(
+        kiln()
+            .args(["train", "--no-supervisor", "--resume"])
+            .arg(&run),
+    )
+    .success()
+    .stderr_has("step-000000006");
+    assert_eq!(
+        summary(&run_dir(&plain))["final_test_loss"],
+        summary(&run)["final_test_loss"]
+    );
+}
