@@ -9,9 +9,16 @@ stride 1, no max-pool), as kiln's `stem = "auto"` does. Prints one JSON line.
     python3 bench/pytorch_reference.py --model resnet18 --image-size 32 --batch 256
     python3 bench/pytorch_reference.py --model resnet50 --image-size 224 --batch 256 \
         --precision bf16 --channels-last
+
+Several GPUs: DistributedDataParallel under torchrun, --batch per GPU (as `kiln bench
+--batch`), img/s over all GPUs, printed by rank 0:
+
+    NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc_per_node=2 \
+        bench/pytorch_reference.py --model resnet18 --image-size 32 --batch 256
 """
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -39,12 +46,19 @@ def main() -> None:
     p.add_argument("--compile", action="store_true")
     args = p.parse_args()
 
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if world > 1:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        torch.distributed.init_process_group("nccl")
     torch.manual_seed(0)
-    dev = torch.device("cuda")
+    dev = torch.device("cuda", torch.cuda.current_device())
     classes = 1000 if args.image_size > 64 else 10
     net = build(args.model, args.image_size, classes).to(dev)
     mem_format = torch.channels_last if args.channels_last else torch.contiguous_format
     net = net.to(memory_format=mem_format)
+    if world > 1:
+        net = nn.parallel.DistributedDataParallel(net, device_ids=[dev.index])
     if args.compile:
         net = torch.compile(net)
     opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
@@ -80,18 +94,23 @@ def main() -> None:
         step()
     torch.cuda.synchronize()
     step_s = (time.perf_counter() - t) / args.steps
+    if world > 1:
+        torch.distributed.destroy_process_group()
+    if rank != 0:
+        return
     print(json.dumps({
         "framework": f"pytorch {torch.__version__}",
         "model": args.model,
         "image_size": args.image_size,
-        "batch": args.batch,
+        "batch": args.batch * world,
+        "gpus": world,
         "precision": args.precision,
         "channels_last": args.channels_last,
         "compile": args.compile,
         "first_step_s": round(first, 3),
         "second_step_s": round(second, 3),
         "step_ms": round(step_s * 1e3, 3),
-        "img_per_s": round(args.batch / step_s, 1),
+        "img_per_s": round(args.batch * world / step_s, 1),
         "max_memory_reserved_mib": torch.cuda.max_memory_reserved() // 2**20,
         "device": torch.cuda.get_device_name(0),
     }))

@@ -9,7 +9,7 @@ use anyhow::Context;
 
 use crate::cli::TrainArgs;
 use crate::config::{self, Config};
-use crate::device::DevicePlan;
+use crate::device::{DevicePlan, UsageMonitor};
 use crate::exit::{INTERRUPTED, UsageError};
 use crate::run::failure::{UsedDevice, write_devices};
 use crate::train::backend::with_backend;
@@ -118,6 +118,12 @@ fn train_here(args: TrainArgs) -> anyhow::Result<ExitCode> {
         devices: plan.device_names(),
         interrupt,
         kernel_cache: matches!(plan, DevicePlan::Cuda { .. }).then(|| kernels.cache_dir.clone()),
+        usage: match &plan {
+            DevicePlan::Cuda { gpus, .. } => Some(UsageMonitor::new(
+                gpus.iter().map(|g| g.pci_bus_id.clone()).collect(),
+            )),
+            DevicePlan::Cpu { .. } => None,
+        },
     };
     let (outcome, state) = with_backend(&plan, &kernels, job)?;
     let best = state

@@ -47,8 +47,11 @@ fn resolve(mut table: Table, origin: &str, sets: &[String]) -> Result<Config, Co
     check_known(&table, &schema, "", origin)?;
     for arg in sets {
         let (key, mut value) = parse_set(arg)?;
-        // A string key takes the text as written: `devices.visible=1` means "1".
-        if let (Some(Value::String(_)), false) = (lookup(&schema, &key), value.is_str()) {
+        // A string key takes the text as written: `devices.visible=1` means "1". A list
+        // stays a list: `devices.use` is "all", "auto" or [indices].
+        if let (Some(Value::String(_)), false) =
+            (lookup(&schema, &key), value.is_str() || value.is_array())
+        {
             let raw = arg
                 .split_once('=')
                 .map(|(_, v)| v.trim())
@@ -304,6 +307,35 @@ mod tests {
         .to_string();
         assert!(msg.contains("train.grad_accum_steps = 5"), "{msg}");
         assert!(msg.contains("divisor of train.batch_size = 32"), "{msg}");
+    }
+
+    #[test]
+    fn sync_batchnorm_is_rejected_with_the_reason_and_ddp_is_accepted() {
+        let msg = load_str("", "t.toml", &sets(&["train.sync_batchnorm=true"]))
+            .unwrap_err()
+            .to_string();
+        assert!(msg.contains("train.sync_batchnorm = true"), "{msg}");
+        assert!(
+            msg.contains("each device normalises its own shard"),
+            "{msg}"
+        );
+        let c = load_str("[train]\nstrategy = \"ddp\"\n", "t.toml", &[]).unwrap();
+        assert_eq!(c.train.strategy, crate::config::Strategy::Ddp);
+    }
+
+    #[test]
+    fn training_hash_ignores_where_the_run_goes_but_not_what_it_computes() {
+        let base = load_str("", "t.toml", &[]).unwrap();
+        let moved = load_str(
+            "",
+            "t.toml",
+            &sets(&["devices.use=[1]", "faults.inject=error", "faults.step=3"]),
+        )
+        .unwrap();
+        assert_eq!(base.training_hash(), moved.training_hash());
+        assert_eq!(base.training_hash().len(), 64);
+        let other = load_str("", "t.toml", &sets(&["optim.lr=0.2"])).unwrap();
+        assert_ne!(base.training_hash(), other.training_hash());
     }
 
     #[test]

@@ -176,6 +176,18 @@ pub enum Autotune {
     Full,
 }
 
+/// How the data-parallel learner combines the replicas' gradients (several devices).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Strategy {
+    /// DataParallel: gradients summed on the main device, one optimizer step there, the
+    /// new weights copied to the other devices with the next step's work.
+    Dp,
+    /// Every replica keeps its model and optimizer; the summed gradients go back to each
+    /// device, which takes the same optimizer step as the main one.
+    Ddp,
+}
+
 /// `[train]`: the loop.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -213,6 +225,11 @@ pub struct TrainConfig {
     /// Relative share of each global batch per device, in the order of the devices
     /// used (e.g. `[3, 1]`); empty: equal shares. Only with several devices.
     pub device_weights: Vec<f64>,
+    /// `dp` or `ddp` (see `Strategy`); only with several devices.
+    pub strategy: Strategy,
+    /// Batch statistics over all replicas' shards. Not available: `false` keeps each
+    /// shard's own statistics (running statistics stay identical across replicas).
+    pub sync_batchnorm: bool,
 }
 
 impl Default for TrainConfig {
@@ -230,6 +247,8 @@ impl Default for TrainConfig {
             hang_timeout_s: 0.0,
             autotune: Autotune::Balanced,
             device_weights: Vec::new(),
+            strategy: Strategy::Dp,
+            sync_batchnorm: false,
         }
     }
 }
@@ -491,6 +510,22 @@ impl Default for FaultsConfig {
 }
 
 impl Config {
+    /// SHA-256 of what decides the training's numbers: everything but `[devices]`
+    /// and `[faults]`, which say where it runs (a restart on fewer GPUs keeps the hash).
+    pub fn training_hash(&self) -> String {
+        use sha2::{Digest, Sha256};
+        let training = Config {
+            devices: DevicesConfig::default(),
+            faults: FaultsConfig::default(),
+            ..self.clone()
+        };
+        let text = toml::to_string(&training).unwrap_or_else(|e| format!("{training:?} {e}"));
+        Sha256::digest(text.as_bytes())
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
+    }
+
     /// Rules that involve more than one field or a range serde cannot express.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let bad = |key: &str, value: String, allowed: &str| {
@@ -539,6 +574,13 @@ impl Config {
                 "train.device_weights",
                 format!("{:?}", t.device_weights),
                 "positive numbers, one per device used (or [] for equal shares)",
+            );
+        }
+        if t.sync_batchnorm {
+            return bad(
+                "train.sync_batchnorm",
+                "true".into(),
+                "false: synchronised BatchNorm needs the replicas to exchange batch statistics inside every forward and backward pass, which this Burn version's modules cannot do; each device normalises its own shard (use shards of 32 or more images per device)",
             );
         }
         if t.log_every_steps == 0 {

@@ -11,6 +11,7 @@ mod select;
 mod visible;
 
 pub use env::DeviceEnv;
+pub use nvml::{GpuUsage, UsageMonitor};
 pub use plan::{DeviceError, DevicePlan, Inventory, kernel_cache_dir, plan};
 pub use probe::{GpuInfo, Probe, memory_in_use_mib};
 

@@ -64,6 +64,55 @@ impl NvmlSnapshot {
     }
 }
 
+/// Memory and load of one GPU at one moment.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct GpuUsage {
+    /// Memory in use on the GPU, by every process.
+    pub used_mib: u64,
+    pub total_mib: u64,
+    /// Share of the last sample period in which a kernel ran.
+    pub utilization_pct: Option<u32>,
+}
+
+/// Samples the GPUs of a plan through NVML, matched by PCI bus id; `None` for a GPU
+/// NVML cannot read (or every GPU, without NVML).
+pub struct UsageMonitor {
+    #[cfg(feature = "cuda")]
+    nvml: Option<nvml_wrapper::Nvml>,
+    bus_ids: Vec<String>,
+}
+
+impl UsageMonitor {
+    pub fn new(bus_ids: Vec<String>) -> Self {
+        UsageMonitor {
+            #[cfg(feature = "cuda")]
+            nvml: nvml_wrapper::Nvml::init().ok(),
+            bus_ids,
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    pub fn sample(&self) -> Vec<Option<GpuUsage>> {
+        self.bus_ids
+            .iter()
+            .map(|id| {
+                let dev = self.nvml.as_ref()?.device_by_pci_bus_id(id.as_str()).ok()?;
+                let mem = dev.memory_info().ok()?;
+                Some(GpuUsage {
+                    used_mib: mem.used / (1024 * 1024),
+                    total_mib: mem.total / (1024 * 1024),
+                    utilization_pct: dev.utilization_rates().ok().map(|u| u.gpu),
+                })
+            })
+            .collect()
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    pub fn sample(&self) -> Vec<Option<GpuUsage>> {
+        vec![None; self.bus_ids.len()]
+    }
+}
+
 /// `NVML_NVLINK_MAX_LINKS` in nvml.h.
 #[cfg(feature = "cuda")]
 const NVLINK_MAX_LINKS: u32 = 18;

@@ -20,6 +20,11 @@ pub struct Summary {
     /// first epoch of each process when there are later ones (it includes compilation).
     pub img_per_s: Option<f64>,
     pub first_step_s: Vec<f64>,
+    /// Time spent writing checkpoints, and its share of `wall_time_s`.
+    pub checkpoint_s: f64,
+    pub checkpoint_share: f64,
+    pub checkpoints_written: u64,
+    pub config_sha256: String,
     pub devices: Vec<String>,
     pub model: String,
     pub classes: usize,
@@ -45,6 +50,14 @@ impl Summary {
             wall_time_s: state.elapsed_s,
             img_per_s: (!rates.is_empty()).then(|| rates.iter().sum::<f64>() / rates.len() as f64),
             first_step_s: state.first_step_s.clone(),
+            checkpoint_s: state.checkpoint_s,
+            checkpoint_share: if state.elapsed_s > 0.0 {
+                state.checkpoint_s / state.elapsed_s
+            } else {
+                0.0
+            },
+            checkpoints_written: state.checkpoints_written,
+            config_sha256: state.config_sha256.clone(),
             devices: state.devices.clone(),
             model: format!("{:?} ({:?} stem)", state.spec.arch, state.spec.stem).to_lowercase(),
             classes: state.spec.num_classes,

@@ -83,8 +83,9 @@ impl BackendJob for BenchJob {
                 B::sync(d).expect("the device should synchronise");
             }
         };
-        let mut replicas = (devices.len() > 1)
-            .then(|| Replicas::<B, ResNet<B>>::start(&devices, &self.device_names, &[]));
+        let mut replicas = (devices.len() > 1).then(|| {
+            Replicas::<B, ResNet<B>>::start(&devices, &self.device_names, &[], cfg.train.strategy)
+        });
         let mut step = |model: ResNet<B>,
                         optim: &mut Optim<ResNet<B>, B>|
          -> Result<ResNet<B>, ReplicaError> {

@@ -13,6 +13,7 @@ use burn::tensor::backend::AutodiffBackend;
 
 use crate::config::{OptimConfig, OptimizerKind};
 
+#[derive(Clone)]
 pub enum Optim<M: AutodiffModule<B>, B: AutodiffBackend> {
     Sgd(OptimizerAdaptor<Sgd<B::InnerBackend>, M, B>),
     AdamW(OptimizerAdaptor<AdamW, M, B>),

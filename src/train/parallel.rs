@@ -10,6 +10,13 @@
 //! `RunningState`s shared by all replicas, which average the replicas' updates, so they
 //! stay identical everywhere.
 //!
+//! With `train.strategy = "ddp"` every worker keeps its own replica and optimizer
+//! instead: the summed gradients go back to each device right after the sum, and every
+//! replica takes the same optimizer step on the same numbers, in parallel with the
+//! main one, so replicas stay identical without copying weights. The all-reduce is a
+//! reduce to the main device followed by a broadcast (Burn 0.21 has no collective
+//! that keeps the CPU backend in the same binary).
+//!
 //! A replica that fails (an error or a panic on its thread) makes the step fail with an
 //! error naming the device; the other replicas finish their shards, so nothing hangs
 //! waiting for it.
@@ -26,8 +33,8 @@ use burn::tensor::Tensor;
 use burn::tensor::backend::AutodiffBackend;
 
 use super::optim::Optim;
-use super::step::{Sums, apply, forward_backward, micro_batches};
-use crate::config::{FaultKind, TrainConfig};
+use super::step::{Sums, apply, apply_clipped, forward_backward, micro_batches};
+use crate::config::{FaultKind, Strategy, TrainConfig};
 use crate::data::Batch;
 use crate::model::Classifier;
 
@@ -78,7 +85,9 @@ pub enum ReplicaError {
 }
 
 struct Job<M> {
-    model: M,
+    /// The weights to fork onto the device (`dp`, and `ddp` on the main device);
+    /// `None`: the worker's own replica (`ddp`).
+    model: Option<M>,
     shard: Batch,
     weight: f64,
     label_smoothing: f64,
@@ -92,10 +101,24 @@ type Reply<B> = (
     f64,
 );
 
-struct Worker<M> {
+enum Msg<B: AutodiffBackend, M: AutodiffModule<B>> {
+    /// `ddp`: the replica and optimizer this worker keeps, copied from the main ones.
+    Init(M, Box<Optim<M, B>>),
+    /// `ddp`: the summed gradients (on the main device) of the step just taken.
+    Update {
+        grads: GradientsParams,
+        lr: f64,
+        clip: f64,
+    },
+    Work(Job<M>),
+}
+
+struct Worker<B: AutodiffBackend, M: AutodiffModule<B>> {
     name: String,
-    jobs: Sender<Job<M>>,
+    jobs: Sender<Msg<B, M>>,
     handle: JoinHandle<()>,
+    /// `ddp`: holds its own replica.
+    initialized: bool,
 }
 
 /// Per-device work in the current reporting window.
@@ -109,8 +132,9 @@ pub struct DeviceLoad {
 }
 
 /// The worker threads of a data-parallel run; one per device, `devices[0]` the main one.
-pub struct Replicas<B: AutodiffBackend, M> {
-    workers: Vec<Worker<M>>,
+pub struct Replicas<B: AutodiffBackend, M: AutodiffModule<B>> {
+    strategy: Strategy,
+    workers: Vec<Worker<B, M>>,
     replies: Receiver<Reply<B>>,
     weights: Vec<f64>,
     load: Vec<DeviceLoad>,
@@ -119,31 +143,24 @@ pub struct Replicas<B: AutodiffBackend, M> {
 }
 
 impl<B: AutodiffBackend, M: Classifier<B> + AutodiffModule<B> + 'static> Replicas<B, M> {
-    pub fn start(devices: &[B::Device], names: &[String], weights: &[f64]) -> Self {
+    pub fn start(
+        devices: &[B::Device],
+        names: &[String],
+        weights: &[f64],
+        strategy: Strategy,
+    ) -> Self {
         let main = devices[0].clone();
         let (reply_tx, replies) = channel::<Reply<B>>();
         let workers = devices
             .iter()
             .enumerate()
             .map(|(i, device)| {
-                let (jobs, rx) = channel::<Job<M>>();
+                let (jobs, rx) = channel::<Msg<B, M>>();
                 let reply = reply_tx.clone();
                 let (device, main) = (device.clone(), main.clone());
                 let handle = std::thread::Builder::new()
                     .name(format!("kiln-replica-{i}"))
-                    .spawn(move || {
-                        while let Ok(job) = rx.recv() {
-                            let t = Instant::now();
-                            let out = catch_unwind(AssertUnwindSafe(|| {
-                                run_job::<B, M>(job, &device, &main)
-                            }))
-                            .map_err(panic_message)
-                            .and_then(|r| r);
-                            if reply.send((i, out, t.elapsed().as_secs_f64())).is_err() {
-                                return;
-                            }
-                        }
-                    })
+                    .spawn(move || worker_loop::<B, M>(i, rx, reply, device, main))
                     .expect("spawning a replica thread should succeed");
                 Worker {
                     name: names
@@ -152,6 +169,7 @@ impl<B: AutodiffBackend, M: Classifier<B> + AutodiffModule<B> + 'static> Replica
                         .unwrap_or_else(|| format!("device {i}")),
                     jobs,
                     handle,
+                    initialized: false,
                 }
             })
             .collect();
@@ -168,6 +186,7 @@ impl<B: AutodiffBackend, M: Classifier<B> + AutodiffModule<B> + 'static> Replica
             })
             .collect();
         Replicas {
+            strategy,
             pending: Arc::new(Mutex::new(vec![false; devices.len()])),
             workers,
             replies,
@@ -201,15 +220,23 @@ impl<B: AutodiffBackend, M: Classifier<B> + AutodiffModule<B> + 'static> Replica
                 devices: self.workers.len(),
             })?;
             for (i, shard) in micro.split(&sizes).into_iter().enumerate() {
+                let own_replica = self.strategy == Strategy::Ddp && i > 0;
+                if own_replica && !self.workers[i].initialized {
+                    let init = Msg::Init(model.clone(), Box::new(optim.clone()));
+                    if self.workers[i].jobs.send(init).is_err() {
+                        return Err(self.failed(i, step, "its thread has exited".into()));
+                    }
+                    self.workers[i].initialized = true;
+                }
                 let job = Job {
-                    model: model.clone(),
+                    model: (!own_replica).then(|| model.clone()),
                     weight: shard.labels.len() as f64 / total,
                     shard,
                     label_smoothing: cfg.label_smoothing,
                     fault: fault.filter(|(p, _)| *p == i).map(|(_, k)| k),
                 };
                 self.load[i].images += sizes[i];
-                if self.workers[i].jobs.send(job).is_err() {
+                if self.workers[i].jobs.send(Msg::Work(job)).is_err() {
                     return Err(self.failed(i, step, "its thread has exited".into()));
                 }
             }
@@ -259,12 +286,28 @@ impl<B: AutodiffBackend, M: Classifier<B> + AutodiffModule<B> + 'static> Replica
         for l in &mut self.load {
             l.steps += 1;
         }
+        let copies = match self.strategy {
+            Strategy::Dp => 0,
+            Strategy::Ddp => self.workers.len() - 1,
+        };
         let mut sum = SumGrads {
             parts: &mut parts,
             out: GradientsParams::new(),
+            copies: (0..copies).map(|_| GradientsParams::new()).collect(),
         };
         model.visit(&mut sum);
         let grads = sum.out;
+        // The other replicas step as soon as the sum exists, beside the main one.
+        for (k, grads) in sum.copies.into_iter().enumerate() {
+            let update = Msg::Update {
+                grads,
+                lr,
+                clip: cfg.grad_clip_norm,
+            };
+            if self.workers[k + 1].jobs.send(update).is_err() {
+                return Err(self.failed(k + 1, step, "its thread has exited".into()));
+            }
+        }
         let sums = sums.expect("every step has at least one shard");
         Ok((apply(model, optim, grads, lr, cfg), sums))
     }
@@ -304,15 +347,75 @@ impl<B: AutodiffBackend, M: Classifier<B> + AutodiffModule<B> + 'static> Replica
     }
 }
 
+/// One device's thread: replies to every `Work` message, in order. A failed `ddp`
+/// update is reported with the next work, since nobody waits for updates.
+fn worker_loop<B: AutodiffBackend, M: Classifier<B> + AutodiffModule<B>>(
+    i: usize,
+    rx: Receiver<Msg<B, M>>,
+    reply: Sender<Reply<B>>,
+    device: B::Device,
+    main: B::Device,
+) {
+    let mut own: Option<(M, Optim<M, B>)> = None;
+    let mut broken: Option<String> = None;
+    let mut update_s = 0.0;
+    while let Ok(msg) = rx.recv() {
+        let t = Instant::now();
+        match msg {
+            Msg::Init(model, optim) => own = Some((model.fork(&device), *optim)),
+            Msg::Update { grads, lr, clip } => {
+                if broken.is_some() {
+                    continue;
+                }
+                let Some((model, mut optim)) = own.take() else {
+                    broken = Some("gradient update before the replica was set up".into());
+                    continue;
+                };
+                match catch_unwind(AssertUnwindSafe(|| {
+                    let grads = grads.to_device(&device, &model);
+                    let model = apply_clipped(model, &mut optim, grads, lr, clip);
+                    (model, optim)
+                })) {
+                    Ok(kept) => own = Some(kept),
+                    Err(p) => broken = Some(panic_message(p)),
+                }
+                update_s += t.elapsed().as_secs_f64();
+            }
+            Msg::Work(mut job) => {
+                let out = match broken.clone() {
+                    Some(msg) => Err(msg),
+                    None => {
+                        let model = job
+                            .model
+                            .take()
+                            .or_else(|| own.as_ref().map(|o| o.0.clone()));
+                        catch_unwind(AssertUnwindSafe(|| match model {
+                            Some(model) => run_job::<B, M>(job, model, &device, &main),
+                            None => Err("work before the replica was set up".into()),
+                        }))
+                        .map_err(panic_message)
+                        .and_then(|r| r)
+                    }
+                };
+                let secs = t.elapsed().as_secs_f64() + std::mem::take(&mut update_s);
+                if reply.send((i, out, secs)).is_err() {
+                    return;
+                }
+            }
+        }
+    }
+}
+
 fn run_job<B: AutodiffBackend, M: Classifier<B> + AutodiffModule<B>>(
     job: Job<M>,
+    model: M,
     device: &B::Device,
     main: &B::Device,
 ) -> Result<(GradientsParams, Sums<B::InnerBackend>), String> {
     if let Some(kind) = job.fault {
         act_out(kind)?;
     }
-    let replica = job.model.fork(device);
+    let replica = model.fork(device);
     let (grads, sums) =
         forward_backward(&replica, job.shard, device, job.weight, job.label_smoothing);
     let grads = grads.to_device(main, &replica);
@@ -345,10 +448,12 @@ fn panic_message(payload: Box<dyn std::any::Any + Send>) -> String {
     }
 }
 
-/// Sums each parameter's gradient over the replicas, on the main device.
+/// Sums each parameter's gradient over the replicas, on the main device; `copies`
+/// receive the same sums for the other replicas (`ddp`).
 struct SumGrads<'a> {
     parts: &'a mut [GradientsParams],
     out: GradientsParams,
+    copies: Vec<GradientsParams>,
 }
 
 impl<B: AutodiffBackend> ModuleVisitor<B> for SumGrads<'_> {
@@ -363,12 +468,15 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for SumGrads<'_> {
             }
         }
         if let Some(a) = acc {
+            for c in &mut self.copies {
+                c.register::<B::InnerBackend, D>(param.id, a.clone());
+            }
             self.out.register::<B::InnerBackend, D>(param.id, a);
         }
     }
 }
 
-impl<B: AutodiffBackend, M> Drop for Replicas<B, M> {
+impl<B: AutodiffBackend, M: AutodiffModule<B>> Drop for Replicas<B, M> {
     fn drop(&mut self) {
         // Closing the job channels ends the worker loops.
         for w in self.workers.drain(..) {
@@ -514,7 +622,7 @@ mod tests {
             }
             return model;
         }
-        let mut r = Replicas::<TestBackend, M>::start(&devices, &names, &[]);
+        let mut r = Replicas::<TestBackend, M>::start(&devices, &names, &[], cfg.train.strategy);
         for (s, b) in batches.iter().enumerate() {
             model = r
                 .step(
@@ -550,14 +658,18 @@ mod tests {
         let batches: Vec<Batch> = (0..4).map(|_| batch(12)).collect();
         let mut cfg = Config::default();
         cfg.optim.weight_decay = 1e-3;
+        cfg.optim.momentum = 0.9;
         let one = params(&train_on(&init, &batches, 1, &cfg));
-        for n in [2, 3, 4, 8] {
-            let many = params(&train_on(&init, &batches, n, &cfg));
-            assert!(
-                max_diff(&one, &many) < 1e-5,
-                "{n} replicas differ by {}",
-                max_diff(&one, &many)
-            );
+        for strategy in [Strategy::Dp, Strategy::Ddp] {
+            cfg.train.strategy = strategy;
+            for n in [2, 3, 4, 8] {
+                let many = params(&train_on(&init, &batches, n, &cfg));
+                assert!(
+                    max_diff(&one, &many) < 1e-5,
+                    "{n} replicas ({strategy:?}) differ by {}",
+                    max_diff(&one, &many)
+                );
+            }
         }
         assert!(
             max_diff(&one, &params(&init)) > 1e-3,
@@ -596,13 +708,23 @@ mod tests {
         TestBackend::seed(&device(), 5);
         let init = tiny_resnet();
         let batches = learnable_batches(48, 3);
-        for n in [2, 3, 4] {
+        for (n, strategy) in [
+            (2, Strategy::Dp),
+            (3, Strategy::Dp),
+            (4, Strategy::Dp),
+            (3, Strategy::Ddp),
+        ] {
             let mut accum = Config::default();
             accum.train.grad_accum_steps = n;
             let one = params(&train_on(&init, &batches, 1, &accum));
-            let many = params(&train_on(&init, &batches, n, &Config::default()));
+            let mut cfg = Config::default();
+            cfg.train.strategy = strategy;
+            let many = params(&train_on(&init, &batches, n, &cfg));
             let d = max_diff(&one, &many);
-            assert!(d < 1e-4, "{n} replicas vs {n} micro-batches differ by {d}");
+            assert!(
+                d < 1e-4,
+                "{n} replicas ({strategy:?}) vs {n} micro-batches differ by {d}"
+            );
         }
     }
 
@@ -652,6 +774,11 @@ mod tests {
 
     #[test]
     fn a_failing_replica_fails_the_step_naming_the_device() {
+        failing_replica(Strategy::Dp);
+        failing_replica(Strategy::Ddp);
+    }
+
+    fn failing_replica(strategy: Strategy) {
         let _rng = rng_lock();
         let model = crate::model::materialize(Fragile::<TestBackend> {
             inner: NoBn {
@@ -670,6 +797,7 @@ mod tests {
             &[device(), device(), device()],
             &names,
             &[],
+            strategy,
         );
         let mut optim = Optim::new(&Config::default().optim);
         let err = r

@@ -44,6 +44,14 @@ pub struct TrainState {
     pub history: Vec<EpochRecord>,
     /// First optimizer step time of each process of this run (kernel compilation shows here).
     pub first_step_s: Vec<f64>,
+    /// `Config::training_hash` of the config that wrote this state.
+    #[serde(default)]
+    pub config_sha256: String,
+    /// Wall time spent writing checkpoints before this one, over all processes.
+    #[serde(default)]
+    pub checkpoint_s: f64,
+    #[serde(default)]
+    pub checkpoints_written: u64,
 }
 
 impl TrainState {
@@ -61,6 +69,9 @@ impl TrainState {
             devices,
             history: Vec::new(),
             first_step_s: Vec::new(),
+            config_sha256: String::new(),
+            checkpoint_s: 0.0,
+            checkpoints_written: 0,
         }
     }
 

@@ -107,12 +107,23 @@ pub fn micro_batches(batch: Batch, cfg: &TrainConfig) -> Vec<Batch> {
 pub fn apply<B: AutodiffBackend, M: AutodiffModule<B>>(
     model: M,
     optim: &mut Optim<M, B>,
-    mut grads: GradientsParams,
+    grads: GradientsParams,
     lr: f64,
     cfg: &TrainConfig,
 ) -> M {
-    if cfg.grad_clip_norm > 0.0 {
-        clip_global_norm::<B, _>(&model, &mut grads, cfg.grad_clip_norm);
+    apply_clipped(model, optim, grads, lr, cfg.grad_clip_norm)
+}
+
+/// One optimizer step, the gradients' global norm clipped to `clip` first (0: off).
+pub fn apply_clipped<B: AutodiffBackend, M: AutodiffModule<B>>(
+    model: M,
+    optim: &mut Optim<M, B>,
+    mut grads: GradientsParams,
+    lr: f64,
+    clip: f64,
+) -> M {
+    if clip > 0.0 {
+        clip_global_norm::<B, _>(&model, &mut grads, clip);
     }
     optim.step(lr, model, grads)
 }

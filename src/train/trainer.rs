@@ -21,6 +21,7 @@ use super::watchdog::{Pending, Watchdog};
 use crate::config::Config;
 use crate::config::{FaultKind, FaultsConfig};
 use crate::data::{DataError, Dataset, Loader};
+use crate::device::{GpuUsage, UsageMonitor};
 use crate::model::{ModelSpec, ResNet};
 use crate::report::{self, Progress, Summary, Ticker};
 use crate::run::failure::{Failure, write_failure};
@@ -70,6 +71,8 @@ pub struct TrainJob {
     pub interrupt: Arc<AtomicBool>,
     /// `Some(cache dir)` on CUDA: the first step shows it is compiling kernels.
     pub kernel_cache: Option<PathBuf>,
+    /// On CUDA: memory and utilisation of each device, reported every epoch.
+    pub usage: Option<UsageMonitor>,
 }
 
 impl BackendJob for TrainJob {
@@ -97,12 +100,16 @@ impl Run<'_> {
         optim: &Optim<ResNet<B>, B>,
         test_acc: Option<f64>,
     ) -> Result<(), TrainError> {
+        let t = Instant::now();
         state.elapsed_s = self.elapsed_before + self.started.elapsed().as_secs_f64();
         self.store.save(state.step, test_acc, |dir| {
             checkpoint::write(dir, model, optim, state)
         })?;
         let c = &self.job.config.checkpoint;
         self.store.prune(c.keep_last, c.keep_best)?;
+        // Counted from the next checkpoint on: this one is already written.
+        state.checkpoint_s += t.elapsed().as_secs_f64();
+        state.checkpoints_written += 1;
         Ok(())
     }
 
@@ -137,8 +144,9 @@ pub fn fit<B: AutodiffBackend>(
             devices: devices.len(),
         });
     }
-    let mut replicas = (devices.len() > 1)
-        .then(|| Replicas::<B, ResNet<B>>::start(&devices, &job.devices, weights));
+    let mut replicas = (devices.len() > 1).then(|| {
+        Replicas::<B, ResNet<B>>::start(&devices, &job.devices, weights, cfg.train.strategy)
+    });
     let pending: Pending = match &replicas {
         Some(r) => r.pending_probe(),
         None => {
@@ -153,6 +161,7 @@ pub fn fit<B: AutodiffBackend>(
     let mut model = spec.init::<B>(&device);
     let mut optim = Optim::<ResNet<B>, B>::new(&cfg.optim);
     let mut state = TrainState::new(spec, job.dataset.classes.clone(), job.devices.clone());
+    state.config_sha256 = cfg.training_hash();
     let mut run = Run {
         job: &job,
         store: Store::new(&job.run_dir),
@@ -181,8 +190,14 @@ pub fn fit<B: AutodiffBackend>(
         let saved = checkpoint::read_state(&dir)?;
         checkpoint::check_compatible(&dir, &saved, &state)?;
         (model, optim) = checkpoint::read_tensors(&dir, model, optim, &device)?;
+        if !saved.config_sha256.is_empty() && saved.config_sha256 != state.config_sha256 {
+            run.progress.println(
+                "kiln: note: the training config differs from the one that wrote this checkpoint (see the notes above)",
+            );
+        }
         state = TrainState {
             devices: job.devices.clone(),
+            config_sha256: state.config_sha256.clone(),
             ..saved
         };
         run.elapsed_before = state.elapsed_s;
@@ -228,6 +243,7 @@ pub fn fit<B: AutodiffBackend>(
         run.progress
             .start_epoch(epoch, steps_per_epoch, first_batch);
         let mut sums: Option<Sums<B::InnerBackend>> = None;
+        let mut usage = UsageWindow::default();
         let mut window = (Instant::now(), 0usize);
         let mut lr = lr_at(&cfg.optim, horizon, state.step);
         for batch in train.epoch(epoch as u64, first_batch as usize) {
@@ -318,8 +334,13 @@ pub fn fit<B: AutodiffBackend>(
                 run.progress.finish();
                 return Ok((Outcome::Interrupted, state));
             }
-            let every = cfg.checkpoint.every_steps;
             let end_of_epoch = state.batch_in_epoch == steps_per_epoch;
+            if let Some(m) = &job.usage
+                && (end_of_epoch || state.step.is_multiple_of(USAGE_EVERY_STEPS))
+            {
+                usage.add(&m.sample());
+            }
+            let every = cfg.checkpoint.every_steps;
             if state.step >= max_steps && !end_of_epoch {
                 run.save(&mut state, &model, &optim, None)?;
                 outcome = Outcome::Stopped;
@@ -369,6 +390,9 @@ pub fn fit<B: AutodiffBackend>(
                 run.progress.println(&format!("kiln: warning: {w}"));
             }
         }
+        if let Some(line) = usage.line(&job.devices) {
+            run.progress.println(&format!("kiln: gpus: {line}"));
+        }
         state.history.push(record);
         state.epoch += 1;
         state.batch_in_epoch = 0;
@@ -389,6 +413,55 @@ pub fn fit<B: AutodiffBackend>(
     };
     run.write_reports(&state, status)?;
     Ok((outcome, state))
+}
+
+/// NVML is sampled every this many steps (and at the end of each epoch).
+const USAGE_EVERY_STEPS: u64 = 25;
+
+/// Peak memory and mean utilisation of each device over one epoch's samples.
+#[derive(Default)]
+struct UsageWindow {
+    /// Per device: (peak used MiB, total MiB, utilisation sum, utilisation samples).
+    devices: Vec<Option<(u64, u64, u64, u64)>>,
+}
+
+impl UsageWindow {
+    fn add(&mut self, sample: &[Option<GpuUsage>]) {
+        self.devices
+            .resize(sample.len().max(self.devices.len()), None);
+        for (acc, s) in self.devices.iter_mut().zip(sample) {
+            let Some(s) = s else { continue };
+            let (peak, total, sum, n) = acc.get_or_insert((0, s.total_mib, 0, 0));
+            *peak = (*peak).max(s.used_mib);
+            *total = s.total_mib;
+            if let Some(u) = s.utilization_pct {
+                *sum += u as u64;
+                *n += 1;
+            }
+        }
+    }
+
+    fn line(&self, names: &[String]) -> Option<String> {
+        let gib = |mib: u64| mib as f64 / 1024.0;
+        let parts: Vec<String> = self
+            .devices
+            .iter()
+            .zip(names)
+            .filter_map(|(d, name)| {
+                let (peak, total, sum, n) = (*d)?;
+                let util = sum
+                    .checked_div(n)
+                    .map(|u| format!(", {u}% busy"))
+                    .unwrap_or_default();
+                Some(format!(
+                    "{name} {:.1}/{:.0} GiB in use{util}",
+                    gib(peak),
+                    gib(total)
+                ))
+            })
+            .collect();
+        (!parts.is_empty()).then(|| parts.join(" | "))
+    }
 }
 
 /// `[faults]` for one run: fires once, and never again after a restart (a marker in
@@ -553,7 +626,27 @@ mod tests {
             devices: vec!["cpu".into()],
             interrupt: Arc::new(AtomicBool::new(false)),
             kernel_cache: None,
+            usage: None,
         }
+    }
+
+    #[test]
+    fn gpu_usage_line_shows_peak_memory_and_mean_utilisation() {
+        let u = |used, pct| {
+            Some(GpuUsage {
+                used_mib: used,
+                total_mib: 143_360,
+                utilization_pct: Some(pct),
+            })
+        };
+        let mut w = UsageWindow::default();
+        assert_eq!(w.line(&["cuda:0".into()]), None);
+        w.add(&[u(2048, 90), None]);
+        w.add(&[u(7680, 100), None]);
+        assert_eq!(
+            w.line(&["cuda:0".into(), "cuda:1".into()]).unwrap(),
+            "cuda:0 7.5/140 GiB in use, 95% busy"
+        );
     }
 
     struct Collect(Vec<Vec<f32>>);
