@@ -3,10 +3,10 @@
 set -u
 end=$(( $(date +%s) + ${1:-540} ))
 while [ ! -f /tmp/res/DONE ] && [ "$(date +%s)" -lt "$end" ]; do
-  pgrep -f pipeline.sh > /dev/null || break   # finished or died: report now
+  pgrep -f "bench/gpu/(pipeline|two-gpus).sh" > /dev/null || break   # finished or died: report now
   sleep 5
 done
-tail -n 3 /tmp/res/*.log 2>/dev/null | tail -n 60
+tail -n 2 /tmp/res/*.log /tmp/res/*.txt 2>/dev/null | tail -n 90
 cat /tmp/res/pipeline.log
 tar czf "$OUT/res.tar.gz" -C /tmp res
 [ "${CACHES:-0}" = 1 ] && tar cJf "$OUT/caches.tar.xz" -C /tmp/kcache . && ls -la "$OUT"
