@@ -9,5 +9,5 @@ done
 tail -n 2 /tmp/res/*.log /tmp/res/*.txt 2>/dev/null | tail -n 90
 cat /tmp/res/pipeline.log
 tar czf "$OUT/res.tar.gz" -C /tmp res
-[ "${CACHES:-0}" = 1 ] && tar cJf "$OUT/caches.tar.xz" -C /tmp/kcache . && ls -la "$OUT"
+[ "${CACHES:-0}" = 1 ] && tar cf - -C "${CACHE_DIR:-/tmp/kcache}" . | xz -T0 -6 > "$OUT/caches.tar.xz" && ls -la "$OUT"
 exit 0
