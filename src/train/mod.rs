@@ -13,6 +13,7 @@ mod schedule;
 mod state;
 mod step;
 mod trainer;
+mod transfer;
 mod watchdog;
 
 pub use bench::BenchJob;

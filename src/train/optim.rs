@@ -8,7 +8,9 @@ use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::decay::WeightDecayConfig;
 use burn::optim::momentum::MomentumConfig;
 use burn::optim::{AdamW, AdamWConfig, GradientsParams, Optimizer, Sgd, SgdConfig};
-use burn::record::{BinFileRecorder, FullPrecisionSettings, Recorder, RecorderError};
+use burn::record::{
+    BinBytesRecorder, BinFileRecorder, FullPrecisionSettings, Recorder, RecorderError,
+};
 use burn::tensor::backend::AutodiffBackend;
 
 use crate::config::{OptimConfig, OptimizerKind};
@@ -62,6 +64,24 @@ impl<M: AutodiffModule<B>, B: AutodiffBackend> Optim<M, B> {
             Optim::Sgd(o) => Recorder::<B>::record(&rec, o.to_record(), stem.to_path_buf()),
             Optim::AdamW(o) => Recorder::<B>::record(&rec, o.to_record(), stem.to_path_buf()),
         }
+    }
+
+    /// The state, serialised (for a replica on another device).
+    pub fn to_bytes(&self) -> Result<Vec<u8>, RecorderError> {
+        let rec = BinBytesRecorder::<FullPrecisionSettings>::new();
+        match self {
+            Optim::Sgd(o) => Recorder::<B>::record(&rec, o.to_record(), ()),
+            Optim::AdamW(o) => Recorder::<B>::record(&rec, o.to_record(), ()),
+        }
+    }
+
+    /// Takes the state of [`Self::to_bytes`], read onto `device`.
+    pub fn load_bytes(self, bytes: Vec<u8>, device: &B::Device) -> Result<Self, RecorderError> {
+        let rec = BinBytesRecorder::<FullPrecisionSettings>::new();
+        Ok(match self {
+            Optim::Sgd(o) => Optim::Sgd(o.load_record(rec.load(bytes, device)?)),
+            Optim::AdamW(o) => Optim::AdamW(o.load_record(rec.load(bytes, device)?)),
+        })
     }
 
     /// Reads `stem.bin` onto `device`.

@@ -1,21 +1,23 @@
 //! The data-parallel learner. Every global batch is split into one shard per device
 //! (sizes follow the device weights, never empty); one long-lived worker thread per
-//! device forks the current model onto its device, runs forward and backward on its
-//! shard with the loss scaled by shard/global size, and sends its gradients to the main
-//! device. The main thread sums them, so the update equals single-device training on
-//! the whole batch, and takes one optimizer step there ("DataParallel": the weights
-//! are broadcast again with the next step's jobs).
+//! device runs forward and backward on its shard with the loss scaled by shard/global
+//! size and hands its gradients to the main thread, which sums them in device order,
+//! so the update equals single-device training on the whole batch. The main device's
+//! worker trains the main model itself; every other worker keeps a replica on its own
+//! device. All traffic between devices goes through host memory (see `transfer`).
 //!
-//! BatchNorm uses each shard's own batch statistics; its running statistics are Burn
-//! `RunningState`s shared by all replicas, which average the replicas' updates, so they
-//! stay identical everywhere.
+//! `train.strategy = "dp"` ("DataParallel"): one optimizer step on the main device,
+//! the new weights copied to the replicas before the next step. `"ddp"`: every replica
+//! keeps an optimizer too; the summed gradients go to each device right after the sum
+//! and every replica takes the same step on the same numbers, beside the main one (an
+//! all-reduce as reduce-then-broadcast: Burn 0.21's collectives need its `distributed`
+//! feature, which stops the CPU backend from training in the same binary).
 //!
-//! With `train.strategy = "ddp"` every worker keeps its own replica and optimizer
-//! instead: the summed gradients go back to each device right after the sum, and every
-//! replica takes the same optimizer step on the same numbers, in parallel with the
-//! main one, so replicas stay identical without copying weights. The all-reduce is a
-//! reduce to the main device followed by a broadcast (Burn 0.21 has no collective
-//! that keeps the CPU backend in the same binary).
+//! BatchNorm normalises each shard with its own batch statistics. Each replica keeps
+//! an exponential average of its own shards' statistics; since that average is linear,
+//! the mean of the replicas' averages equals the average of the mean statistics, so
+//! [`Replicas::sync_buffers`] (before every evaluation and checkpoint) makes them
+//! identical everywhere without exchanging them every step.
 //!
 //! A replica that fails (an error or a panic on its thread) makes the step fail with an
 //! error naming the device; the other replicas finish their shards, so nothing hangs
@@ -29,11 +31,12 @@ use std::time::{Duration, Instant};
 
 use burn::module::{AutodiffModule, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
-use burn::tensor::Tensor;
 use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{Tensor, TensorData};
 
 use super::optim::Optim;
 use super::step::{Sums, apply, apply_clipped, forward_backward, micro_batches};
+use super::transfer::{self, HostGrads, Part};
 use crate::config::{FaultKind, Strategy, TrainConfig};
 use crate::data::Batch;
 use crate::model::Classifier;
@@ -85,8 +88,7 @@ pub enum ReplicaError {
 }
 
 struct Job<M> {
-    /// The weights to fork onto the device (`dp`, and `ddp` on the main device);
-    /// `None`: the worker's own replica (`ddp`).
+    /// The main model, for the main device's worker; `None`: the worker's own replica.
     model: Option<M>,
     shard: Batch,
     weight: f64,
@@ -95,21 +97,38 @@ struct Job<M> {
     fault: Option<FaultKind>,
 }
 
+/// One worker's gradients: in place on the main device, or read back to the host.
+enum Grads {
+    Local(GradientsParams),
+    Host(HostGrads),
+}
+
 type Reply<B> = (
     usize,
-    Result<(GradientsParams, Sums<<B as AutodiffBackend>::InnerBackend>), String>,
+    Result<(Grads, Sums<<B as AutodiffBackend>::InnerBackend>), String>,
     f64,
 );
 
+type BufferReply = (usize, Result<Vec<TensorData>, String>);
+
+/// Set-up of a replica: the main model (on the main device) and, for `ddp`, the main
+/// optimizer with its state serialised (to be read onto the replica's device).
+type Init<B, M> = Box<(M, Option<(Optim<M, B>, Vec<u8>)>)>;
+
 enum Msg<B: AutodiffBackend, M: AutodiffModule<B>> {
-    /// `ddp`: the replica and optimizer this worker keeps, copied from the main ones.
-    Init(M, Box<Optim<M, B>>),
-    /// `ddp`: the summed gradients (on the main device) of the step just taken.
+    Init(Init<B, M>),
+    /// `dp`: the main model's new trainable weights.
+    Weights(Arc<Vec<TensorData>>),
+    /// `ddp`: the summed gradients of the step just taken.
     Update {
-        grads: GradientsParams,
+        grads: HostGrads,
         lr: f64,
         clip: f64,
     },
+    /// Reply with the replica's BatchNorm running statistics.
+    ReadBuffers,
+    /// Take these running statistics.
+    SetBuffers(Arc<Vec<TensorData>>),
     Work(Job<M>),
 }
 
@@ -117,7 +136,7 @@ struct Worker<B: AutodiffBackend, M: AutodiffModule<B>> {
     name: String,
     jobs: Sender<Msg<B, M>>,
     handle: JoinHandle<()>,
-    /// `ddp`: holds its own replica.
+    /// Holds its own replica (every worker but the main device's, once set up).
     initialized: bool,
 }
 
@@ -127,15 +146,17 @@ pub struct DeviceLoad {
     pub name: String,
     pub images: usize,
     pub steps: usize,
-    /// Wall time of the device's jobs (fork, forward, backward, gradients to main).
+    /// Wall time of the device's jobs (weights in, forward, backward, gradients out).
     pub busy_s: f64,
 }
 
 /// The worker threads of a data-parallel run; one per device, `devices[0]` the main one.
 pub struct Replicas<B: AutodiffBackend, M: AutodiffModule<B>> {
     strategy: Strategy,
+    main: B::Device,
     workers: Vec<Worker<B, M>>,
     replies: Receiver<Reply<B>>,
+    buffer_replies: Receiver<BufferReply>,
     weights: Vec<f64>,
     load: Vec<DeviceLoad>,
     /// Which devices the current step still waits for.
@@ -151,16 +172,23 @@ impl<B: AutodiffBackend, M: Classifier<B> + AutodiffModule<B> + 'static> Replica
     ) -> Self {
         let main = devices[0].clone();
         let (reply_tx, replies) = channel::<Reply<B>>();
+        let (buffer_tx, buffer_replies) = channel::<BufferReply>();
         let workers = devices
             .iter()
             .enumerate()
             .map(|(i, device)| {
                 let (jobs, rx) = channel::<Msg<B, M>>();
-                let reply = reply_tx.clone();
-                let (device, main) = (device.clone(), main.clone());
+                let ends = WorkerEnds {
+                    i,
+                    rx,
+                    reply: reply_tx.clone(),
+                    buffers: buffer_tx.clone(),
+                    device: device.clone(),
+                    main: main.clone(),
+                };
                 let handle = std::thread::Builder::new()
                     .name(format!("kiln-replica-{i}"))
-                    .spawn(move || worker_loop::<B, M>(i, rx, reply, device, main))
+                    .spawn(move || worker_loop::<B, M>(ends))
                     .expect("spawning a replica thread should succeed");
                 Worker {
                     name: names
@@ -187,12 +215,48 @@ impl<B: AutodiffBackend, M: Classifier<B> + AutodiffModule<B> + 'static> Replica
             .collect();
         Replicas {
             strategy,
+            main,
             pending: Arc::new(Mutex::new(vec![false; devices.len()])),
             workers,
             replies,
+            buffer_replies,
             weights,
             load,
         }
+    }
+
+    fn send(&self, i: usize, msg: Msg<B, M>, step: u64) -> Result<(), ReplicaError> {
+        self.workers[i]
+            .jobs
+            .send(msg)
+            .map_err(|_| self.failed(i, step, "its thread has exited".into()))
+    }
+
+    /// Brings every other replica to the main model's weights: set up once, then (`dp`)
+    /// the new weights before each step. `ddp` replicas update themselves.
+    fn prepare(&mut self, model: &M, optim: &Optim<M, B>, step: u64) -> Result<(), ReplicaError> {
+        let mut weights: Option<Arc<Vec<TensorData>>> = None;
+        for i in 1..self.workers.len() {
+            if !self.workers[i].initialized {
+                let optim = match self.strategy {
+                    Strategy::Dp => None,
+                    Strategy::Ddp => {
+                        let bytes = optim.to_bytes().map_err(|e| {
+                            self.failed(i, step, format!("copying the optimizer state: {e}"))
+                        })?;
+                        Some((optim.clone(), bytes))
+                    }
+                };
+                self.send(i, Msg::Init(Box::new((model.clone(), optim))), step)?;
+                self.workers[i].initialized = true;
+            } else if self.strategy == Strategy::Dp {
+                let w = weights
+                    .get_or_insert_with(|| Arc::new(transfer::snapshot(model, Part::Trainable)))
+                    .clone();
+                self.send(i, Msg::Weights(w), step)?;
+            }
+        }
+        Ok(())
     }
 
     /// One optimizer step on `batch` over all devices; `fault` makes the device at that
@@ -209,9 +273,10 @@ impl<B: AutodiffBackend, M: Classifier<B> + AutodiffModule<B> + 'static> Replica
         fault: Option<(usize, FaultKind)>,
     ) -> Result<(M, Sums<B::InnerBackend>), ReplicaError> {
         let total = batch.labels.len() as f64;
+        self.prepare(&model, optim, step)?;
         // Kept in device order and summed in that order, whatever order the replies
         // come in: float addition is not associative, and runs must repeat exactly.
-        let mut parts: Vec<GradientsParams> = Vec::new();
+        let mut parts: Vec<Grads> = Vec::new();
         let mut sums = None;
         for micro in micro_batches(batch, cfg) {
             let n = micro.labels.len();
@@ -220,28 +285,18 @@ impl<B: AutodiffBackend, M: Classifier<B> + AutodiffModule<B> + 'static> Replica
                 devices: self.workers.len(),
             })?;
             for (i, shard) in micro.split(&sizes).into_iter().enumerate() {
-                let own_replica = self.strategy == Strategy::Ddp && i > 0;
-                if own_replica && !self.workers[i].initialized {
-                    let init = Msg::Init(model.clone(), Box::new(optim.clone()));
-                    if self.workers[i].jobs.send(init).is_err() {
-                        return Err(self.failed(i, step, "its thread has exited".into()));
-                    }
-                    self.workers[i].initialized = true;
-                }
                 let job = Job {
-                    model: (!own_replica).then(|| model.clone()),
+                    model: (i == 0).then(|| model.clone()),
                     weight: shard.labels.len() as f64 / total,
                     shard,
                     label_smoothing: cfg.label_smoothing,
                     fault: fault.filter(|(p, _)| *p == i).map(|(_, k)| k),
                 };
                 self.load[i].images += sizes[i];
-                if self.workers[i].jobs.send(Msg::Work(job)).is_err() {
-                    return Err(self.failed(i, step, "its thread has exited".into()));
-                }
+                self.send(i, Msg::Work(job), step)?;
             }
             let mut waiting: Vec<bool> = vec![true; self.workers.len()];
-            let mut replies: Vec<Option<(GradientsParams, Sums<B::InnerBackend>)>> =
+            let mut replies: Vec<Option<(Grads, Sums<B::InnerBackend>)>> =
                 (0..self.workers.len()).map(|_| None).collect();
             self.pending
                 .lock()
@@ -286,30 +341,72 @@ impl<B: AutodiffBackend, M: Classifier<B> + AutodiffModule<B> + 'static> Replica
         for l in &mut self.load {
             l.steps += 1;
         }
-        let copies = match self.strategy {
-            Strategy::Dp => 0,
-            Strategy::Ddp => self.workers.len() - 1,
-        };
-        let mut sum = SumGrads {
+        let mut sum = SumGrads::<B> {
             parts: &mut parts,
+            main: &self.main,
             out: GradientsParams::new(),
-            copies: (0..copies).map(|_| GradientsParams::new()).collect(),
         };
         model.visit(&mut sum);
         let grads = sum.out;
-        // The other replicas step as soon as the sum exists, beside the main one.
-        for (k, grads) in sum.copies.into_iter().enumerate() {
-            let update = Msg::Update {
-                grads,
-                lr,
-                clip: cfg.grad_clip_norm,
-            };
-            if self.workers[k + 1].jobs.send(update).is_err() {
-                return Err(self.failed(k + 1, step, "its thread has exited".into()));
+        if self.strategy == Strategy::Ddp && self.workers.len() > 1 {
+            // The other replicas step as soon as the sum exists, beside the main one.
+            let host = HostGrads::copy(&grads, &model);
+            for i in 1..self.workers.len() {
+                let update = Msg::Update {
+                    grads: host.duplicate(),
+                    lr,
+                    clip: cfg.grad_clip_norm,
+                };
+                self.send(i, update, step)?;
             }
         }
         let sums = sums.expect("every step has at least one shard");
         Ok((apply(model, optim, grads, lr, cfg), sums))
+    }
+
+    /// Makes BatchNorm's running statistics the mean over all replicas, everywhere;
+    /// call before evaluating or saving `model`.
+    pub fn sync_buffers(&mut self, model: M, step: u64) -> Result<M, ReplicaError> {
+        let others: Vec<usize> = (1..self.workers.len())
+            .filter(|&i| self.workers[i].initialized)
+            .collect();
+        if others.is_empty() {
+            return Ok(model);
+        }
+        for &i in &others {
+            self.send(i, Msg::ReadBuffers, step)?;
+        }
+        let mut all: Vec<Option<Vec<TensorData>>> = vec![None; self.workers.len()];
+        all[0] = Some(transfer::buffers(&model));
+        let mut left = others.len();
+        while left > 0 {
+            match self.buffer_replies.recv_timeout(Duration::from_millis(500)) {
+                Ok((i, Ok(b))) => {
+                    all[i] = Some(b);
+                    left -= 1;
+                }
+                Ok((i, Err(msg))) => return Err(self.failed(i, step, msg)),
+                Err(_) => {
+                    if let Some(&i) = others
+                        .iter()
+                        .find(|&&i| all[i].is_none() && self.workers[i].handle.is_finished())
+                    {
+                        return Err(self.failed(
+                            i,
+                            step,
+                            "its thread stopped without a reply".into(),
+                        ));
+                    }
+                }
+            }
+        }
+        let mean = Arc::new(transfer::mean(
+            &all.into_iter().flatten().collect::<Vec<_>>(),
+        ));
+        for &i in &others {
+            self.send(i, Msg::SetBuffers(mean.clone()), step)?;
+        }
+        Ok(transfer::load(model, &mean, Part::Buffers, &self.main))
     }
 
     fn failed(&self, i: usize, step: u64, message: String) -> ReplicaError {
@@ -347,83 +444,161 @@ impl<B: AutodiffBackend, M: Classifier<B> + AutodiffModule<B> + 'static> Replica
     }
 }
 
-/// One device's thread: replies to every `Work` message, in order. A failed `ddp`
-/// update is reported with the next work, since nobody waits for updates.
-fn worker_loop<B: AutodiffBackend, M: Classifier<B> + AutodiffModule<B>>(
+/// What a worker thread holds of the learner.
+struct WorkerEnds<B: AutodiffBackend, M: AutodiffModule<B>> {
     i: usize,
     rx: Receiver<Msg<B, M>>,
     reply: Sender<Reply<B>>,
+    buffers: Sender<BufferReply>,
     device: B::Device,
     main: B::Device,
-) {
-    let mut own: Option<(M, Optim<M, B>)> = None;
+}
+
+/// One device's thread. Replies to every `Work` and `ReadBuffers`, in order; a failure
+/// in a message nobody waits for is reported with the next reply.
+fn worker_loop<B: AutodiffBackend, M: Classifier<B> + AutodiffModule<B>>(ends: WorkerEnds<B, M>) {
+    let WorkerEnds {
+        i,
+        rx,
+        reply,
+        buffers,
+        device,
+        main,
+    } = ends;
+    let mut own: Option<M> = None;
+    let mut optim: Option<Optim<M, B>> = None;
     let mut broken: Option<String> = None;
-    let mut update_s = 0.0;
+    let mut other_s = 0.0;
+    let guarded = |f: &mut dyn FnMut() -> Result<(), String>| {
+        catch_unwind(AssertUnwindSafe(f))
+            .map_err(panic_message)
+            .and_then(|r| r)
+    };
     while let Ok(msg) = rx.recv() {
         let t = Instant::now();
         match msg {
-            Msg::Init(model, optim) => own = Some((model.fork(&device), *optim)),
-            Msg::Update { grads, lr, clip } => {
-                if broken.is_some() {
-                    continue;
-                }
-                let Some((model, mut optim)) = own.take() else {
-                    broken = Some("gradient update before the replica was set up".into());
-                    continue;
-                };
-                match catch_unwind(AssertUnwindSafe(|| {
-                    let grads = grads.to_device(&device, &model);
-                    let model = apply_clipped(model, &mut optim, grads, lr, clip);
-                    (model, optim)
-                })) {
-                    Ok(kept) => own = Some(kept),
-                    Err(p) => broken = Some(panic_message(p)),
-                }
-                update_s += t.elapsed().as_secs_f64();
-            }
             Msg::Work(mut job) => {
                 let out = match broken.clone() {
                     Some(msg) => Err(msg),
                     None => {
-                        let model = job
-                            .model
-                            .take()
-                            .or_else(|| own.as_ref().map(|o| o.0.clone()));
-                        catch_unwind(AssertUnwindSafe(|| match model {
-                            Some(model) => run_job::<B, M>(job, model, &device, &main),
-                            None => Err("work before the replica was set up".into()),
-                        }))
-                        .map_err(panic_message)
-                        .and_then(|r| r)
+                        let model = job.model.take().or_else(|| own.clone());
+                        let mut out = None;
+                        let r = guarded(&mut || {
+                            let model = model
+                                .clone()
+                                .ok_or_else(|| "work before the replica was set up".to_string())?;
+                            out = Some(run_job::<B, M>(&mut job, model, &device, &main, i > 0)?);
+                            Ok(())
+                        });
+                        r.and_then(|()| out.ok_or_else(|| "no result".to_string()))
                     }
                 };
-                let secs = t.elapsed().as_secs_f64() + std::mem::take(&mut update_s);
+                let secs = t.elapsed().as_secs_f64() + std::mem::take(&mut other_s);
                 if reply.send((i, out, secs)).is_err() {
                     return;
                 }
+                continue;
+            }
+            Msg::ReadBuffers => {
+                let out = match (&broken, &own) {
+                    (Some(msg), _) => Err(msg.clone()),
+                    (None, None) => Err("no replica to read".into()),
+                    (None, Some(m)) => {
+                        let mut data = Vec::new();
+                        guarded(&mut || {
+                            data = transfer::buffers(m);
+                            Ok(())
+                        })
+                        .map(|()| data)
+                    }
+                };
+                if buffers.send((i, out)).is_err() {
+                    return;
+                }
+                continue;
+            }
+            _ if broken.is_some() => continue,
+            Msg::Init(init) => {
+                let (model, mut with_optim) = *init;
+                let r = guarded(&mut || {
+                    own = Some(transfer::replica(&model, &device));
+                    if let Some((o, bytes)) = with_optim.take() {
+                        optim = Some(o.load_bytes(bytes, &device).map_err(|e| e.to_string())?);
+                    }
+                    Ok(())
+                });
+                broken = r.err();
+            }
+            Msg::Weights(w) => {
+                let r = guarded(&mut || {
+                    let m = own.take().ok_or("weights before the replica was set up")?;
+                    own = Some(transfer::load(m, &w, Part::Trainable, &device));
+                    Ok(())
+                });
+                broken = r.err();
+            }
+            Msg::SetBuffers(b) => {
+                let r = guarded(&mut || {
+                    let m = own
+                        .take()
+                        .ok_or("statistics before the replica was set up")?;
+                    own = Some(transfer::load(m, &b, Part::Buffers, &device));
+                    Ok(())
+                });
+                broken = r.err();
+            }
+            Msg::Update { grads, lr, clip } => {
+                let mut grads = Some(grads);
+                let r = guarded(&mut || {
+                    let (m, o) = match (own.take(), optim.as_mut()) {
+                        (Some(m), Some(o)) => (m, o),
+                        _ => return Err("an update before the replica was set up".into()),
+                    };
+                    let g = grads
+                        .take()
+                        .ok_or("update applied twice")?
+                        .into_params(&m, &device);
+                    own = Some(apply_clipped(m, o, g, lr, clip));
+                    Ok(())
+                });
+                broken = r.err();
             }
         }
+        other_s += t.elapsed().as_secs_f64();
     }
 }
 
 fn run_job<B: AutodiffBackend, M: Classifier<B> + AutodiffModule<B>>(
-    job: Job<M>,
+    job: &mut Job<M>,
     model: M,
     device: &B::Device,
     main: &B::Device,
-) -> Result<(GradientsParams, Sums<B::InnerBackend>), String> {
+    remote: bool,
+) -> Result<(Grads, Sums<B::InnerBackend>), String> {
     if let Some(kind) = job.fault {
         act_out(kind)?;
     }
-    let replica = model.fork(device);
-    let (grads, sums) =
-        forward_backward(&replica, job.shard, device, job.weight, job.label_smoothing);
-    let grads = grads.to_device(main, &replica);
-    let sums = sums.moved_to(main);
-    // Finish this device's work here, so its time is measured and errors surface on
-    // this thread, naming this device.
+    let shard = std::mem::replace(
+        &mut job.shard,
+        Batch {
+            images: Vec::new(),
+            labels: Vec::new(),
+            shape: [0; 4],
+        },
+    );
+    let (grads, sums) = forward_backward(&model, shard, device, job.weight, job.label_smoothing);
+    let out = if remote {
+        // Reading back finishes this device's work here, so its time is measured and
+        // errors surface on this thread, naming this device.
+        (
+            Grads::Host(HostGrads::read(grads, &model)),
+            sums.via_host(main),
+        )
+    } else {
+        (Grads::Local(grads), sums)
+    };
     B::sync(device).map_err(|e| format!("{e:?}"))?;
-    Ok((grads, sums))
+    Ok(out)
 }
 
 /// Does what an injected fault of `kind` stands for, on the calling thread.
@@ -448,19 +623,22 @@ fn panic_message(payload: Box<dyn std::any::Any + Send>) -> String {
     }
 }
 
-/// Sums each parameter's gradient over the replicas, on the main device; `copies`
-/// receive the same sums for the other replicas (`ddp`).
-struct SumGrads<'a> {
-    parts: &'a mut [GradientsParams],
+/// Sums each parameter's gradient over the replicas, on the main device, in device order.
+struct SumGrads<'a, B: AutodiffBackend> {
+    parts: &'a mut [Grads],
+    main: &'a B::Device,
     out: GradientsParams,
-    copies: Vec<GradientsParams>,
 }
 
-impl<B: AutodiffBackend> ModuleVisitor<B> for SumGrads<'_> {
+impl<B: AutodiffBackend> ModuleVisitor<B> for SumGrads<'_, B> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         let mut acc: Option<Tensor<B::InnerBackend, D>> = None;
         for g in self.parts.iter_mut() {
-            if let Some(t) = g.remove::<B::InnerBackend, D>(param.id) {
+            let t = match g {
+                Grads::Local(g) => g.remove::<B::InnerBackend, D>(param.id),
+                Grads::Host(h) => h.upload::<B::InnerBackend, D>(param.id, self.main),
+            };
+            if let Some(t) = t {
                 acc = Some(match acc {
                     Some(a) => a + t,
                     None => t,
@@ -468,9 +646,6 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for SumGrads<'_> {
             }
         }
         if let Some(a) = acc {
-            for c in &mut self.copies {
-                c.register::<B::InnerBackend, D>(param.id, a.clone());
-            }
             self.out.register::<B::InnerBackend, D>(param.id, a);
         }
     }
@@ -752,6 +927,46 @@ mod tests {
             let rel = norm(&one, &many) / moved;
             eprintln!("{n} replicas: relative difference {rel:.4}");
             assert!(rel < 0.25, "{n} replicas differ by {rel:.3} of the update");
+        }
+    }
+
+    #[test]
+    fn running_statistics_are_the_same_on_every_replica_after_a_sync() {
+        let _rng = rng_lock();
+        TestBackend::seed(&device(), 7);
+        let mut model = tiny_resnet();
+        let batches = learnable_batches(24, 2);
+        for strategy in [Strategy::Dp, Strategy::Ddp] {
+            let names: Vec<String> = (0..3).map(|i| format!("cpu#{i}")).collect();
+            let mut r = Replicas::<TestBackend, ResNet<TestBackend>>::start(
+                &[device(), device(), device()],
+                &names,
+                &[],
+                strategy,
+            );
+            let cfg = Config::default();
+            let mut optim = Optim::new(&cfg.optim);
+            let before = super::transfer::buffers(&model);
+            for (s, b) in batches.iter().enumerate() {
+                model = r
+                    .step(
+                        model,
+                        &mut optim,
+                        b.clone(),
+                        0.05,
+                        &cfg.train,
+                        s as u64,
+                        None,
+                    )
+                    .unwrap()
+                    .0;
+            }
+            model = r.sync_buffers(model, 2).unwrap();
+            let once = super::transfer::buffers(&model);
+            assert_ne!(once, before, "training should move the statistics");
+            // A second sync averages identical copies: nothing changes.
+            model = r.sync_buffers(model, 2).unwrap();
+            assert_eq!(super::transfer::buffers(&model), once, "{strategy:?}");
         }
     }
 

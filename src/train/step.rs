@@ -37,10 +37,11 @@ impl<B: Backend> Sums<B> {
         })
     }
 
-    pub fn moved_to(self, device: &B::Device) -> Sums<B> {
+    /// The same sums on `device`, copied through host memory (see `transfer`).
+    pub fn via_host(self, device: &B::Device) -> Sums<B> {
         Sums {
-            loss: self.loss.to_device(device),
-            correct: self.correct.to_device(device),
+            loss: Tensor::from_data(self.loss.into_data(), device),
+            correct: Tensor::from_data(self.correct.into_data(), device),
             images: self.images,
         }
     }

@@ -329,6 +329,7 @@ pub fn fit<B: AutodiffBackend>(
             );
 
             if job.interrupt.load(Ordering::Relaxed) {
+                model = synced(&mut replicas, model, state.step, &job.run_dir)?;
                 run.save(&mut state, &model, &optim, None)?;
                 run.write_reports(&state, "interrupted")?;
                 run.progress.finish();
@@ -342,11 +343,13 @@ pub fn fit<B: AutodiffBackend>(
             }
             let every = cfg.checkpoint.every_steps;
             if state.step >= max_steps && !end_of_epoch {
+                model = synced(&mut replicas, model, state.step, &job.run_dir)?;
                 run.save(&mut state, &model, &optim, None)?;
                 outcome = Outcome::Stopped;
                 break 'epochs;
             }
             if every > 0 && state.step.is_multiple_of(every) && !end_of_epoch {
+                model = synced(&mut replicas, model, state.step, &job.run_dir)?;
                 run.save(&mut state, &model, &optim, None)?;
             }
         }
@@ -364,6 +367,7 @@ pub fn fit<B: AutodiffBackend>(
             check_finite(train_loss, state.step)?;
         }
         let train_time = epoch_start.elapsed().as_secs_f64();
+        model = synced(&mut replicas, model, state.step, &job.run_dir)?;
         let last = epoch + 1 == cfg.train.epochs || state.step >= max_steps;
         let every = cfg.train.eval_every_epochs;
         let (test_loss, test_acc) = if last || (every > 0 && (epoch + 1).is_multiple_of(every)) {
@@ -413,6 +417,22 @@ pub fn fit<B: AutodiffBackend>(
     };
     run.write_reports(&state, status)?;
     Ok((outcome, state))
+}
+
+/// `model` with BatchNorm statistics averaged over the replicas (before evaluating or
+/// saving it).
+fn synced<B: AutodiffBackend>(
+    replicas: &mut Option<Replicas<B, ResNet<B>>>,
+    model: ResNet<B>,
+    step: u64,
+    run_dir: &std::path::Path,
+) -> Result<ResNet<B>, TrainError> {
+    match replicas.as_mut() {
+        Some(r) => Ok(r
+            .sync_buffers(model, step)
+            .map_err(|e| record_failure(run_dir, e))?),
+        None => Ok(model),
+    }
 }
 
 /// NVML is sampled every this many steps (and at the end of each epoch).
