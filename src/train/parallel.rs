@@ -31,12 +31,12 @@ use std::time::{Duration, Instant};
 
 use burn::module::{AutodiffModule, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
+use burn::tensor::Tensor;
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{Tensor, TensorData};
 
 use super::optim::Optim;
 use super::step::{Sums, apply, apply_clipped, forward_backward, micro_batches};
-use super::transfer::{self, HostGrads, Part};
+use super::transfer::{self, DeviceGrads, Flat, HostGrads, Part};
 use crate::config::{FaultKind, Strategy, TrainConfig};
 use crate::data::Batch;
 use crate::model::Classifier;
@@ -109,7 +109,7 @@ type Reply<B> = (
     f64,
 );
 
-type BufferReply = (usize, Result<Vec<TensorData>, String>);
+type BufferReply = (usize, Result<Flat, String>);
 
 /// Set-up of a replica: the main model (on the main device) and, for `ddp`, the main
 /// optimizer with its state serialised (to be read onto the replica's device).
@@ -118,7 +118,7 @@ type Init<B, M> = Box<(M, Option<(Optim<M, B>, Vec<u8>)>)>;
 enum Msg<B: AutodiffBackend, M: AutodiffModule<B>> {
     Init(Init<B, M>),
     /// `dp`: the main model's new trainable weights.
-    Weights(Arc<Vec<TensorData>>),
+    Weights(Arc<Flat>),
     /// `ddp`: the summed gradients of the step just taken.
     Update {
         grads: HostGrads,
@@ -128,7 +128,7 @@ enum Msg<B: AutodiffBackend, M: AutodiffModule<B>> {
     /// Reply with the replica's BatchNorm running statistics.
     ReadBuffers,
     /// Take these running statistics.
-    SetBuffers(Arc<Vec<TensorData>>),
+    SetBuffers(Arc<Flat>),
     Work(Job<M>),
 }
 
@@ -235,7 +235,7 @@ impl<B: AutodiffBackend, M: Classifier<B> + AutodiffModule<B> + 'static> Replica
     /// Brings every other replica to the main model's weights: set up once, then (`dp`)
     /// the new weights before each step. `ddp` replicas update themselves.
     fn prepare(&mut self, model: &M, optim: &Optim<M, B>, step: u64) -> Result<(), ReplicaError> {
-        let mut weights: Option<Arc<Vec<TensorData>>> = None;
+        let mut weights: Option<Arc<Flat>> = None;
         for i in 1..self.workers.len() {
             if !self.workers[i].initialized {
                 let optim = match self.strategy {
@@ -341,9 +341,15 @@ impl<B: AutodiffBackend, M: Classifier<B> + AutodiffModule<B> + 'static> Replica
         for l in &mut self.load {
             l.steps += 1;
         }
+        let mut parts: Vec<Summand<B>> = parts
+            .into_iter()
+            .map(|g| match g {
+                Grads::Local(g) => Summand::Local(g),
+                Grads::Host(h) => Summand::Uploaded(h.upload(&self.main)),
+            })
+            .collect();
         let mut sum = SumGrads::<B> {
             parts: &mut parts,
-            main: &self.main,
             out: GradientsParams::new(),
         };
         model.visit(&mut sum);
@@ -353,7 +359,7 @@ impl<B: AutodiffBackend, M: Classifier<B> + AutodiffModule<B> + 'static> Replica
             let host = HostGrads::copy(&grads, &model);
             for i in 1..self.workers.len() {
                 let update = Msg::Update {
-                    grads: host.duplicate(),
+                    grads: host.clone(),
                     lr,
                     clip: cfg.grad_clip_norm,
                 };
@@ -376,7 +382,7 @@ impl<B: AutodiffBackend, M: Classifier<B> + AutodiffModule<B> + 'static> Replica
         for &i in &others {
             self.send(i, Msg::ReadBuffers, step)?;
         }
-        let mut all: Vec<Option<Vec<TensorData>>> = vec![None; self.workers.len()];
+        let mut all: Vec<Option<Flat>> = vec![None; self.workers.len()];
         all[0] = Some(transfer::buffers(&model));
         let mut left = others.len();
         while left > 0 {
@@ -504,12 +510,12 @@ fn worker_loop<B: AutodiffBackend, M: Classifier<B> + AutodiffModule<B>>(ends: W
                     (Some(msg), _) => Err(msg.clone()),
                     (None, None) => Err("no replica to read".into()),
                     (None, Some(m)) => {
-                        let mut data = Vec::new();
+                        let mut data = None;
                         guarded(&mut || {
-                            data = transfer::buffers(m);
+                            data = Some(transfer::buffers(m));
                             Ok(())
                         })
-                        .map(|()| data)
+                        .and_then(|()| data.ok_or_else(|| "no statistics".to_string()))
                     }
                 };
                 if buffers.send((i, out)).is_err() {
@@ -623,10 +629,15 @@ fn panic_message(payload: Box<dyn std::any::Any + Send>) -> String {
     }
 }
 
+/// One replica's gradients on the main device.
+enum Summand<B: AutodiffBackend> {
+    Local(GradientsParams),
+    Uploaded(DeviceGrads<B::InnerBackend>),
+}
+
 /// Sums each parameter's gradient over the replicas, on the main device, in device order.
 struct SumGrads<'a, B: AutodiffBackend> {
-    parts: &'a mut [Grads],
-    main: &'a B::Device,
+    parts: &'a mut [Summand<B>],
     out: GradientsParams,
 }
 
@@ -635,8 +646,8 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for SumGrads<'_, B> {
         let mut acc: Option<Tensor<B::InnerBackend, D>> = None;
         for g in self.parts.iter_mut() {
             let t = match g {
-                Grads::Local(g) => g.remove::<B::InnerBackend, D>(param.id),
-                Grads::Host(h) => h.upload::<B::InnerBackend, D>(param.id, self.main),
+                Summand::Local(g) => g.remove::<B::InnerBackend, D>(param.id),
+                Summand::Uploaded(h) => h.take(param.id, param.val().dims()),
             };
             if let Some(t) = t {
                 acc = Some(match acc {
