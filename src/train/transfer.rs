@@ -62,9 +62,7 @@ fn piece<B: Backend, const D: usize>(
     offset: usize,
     dims: [usize; D],
 ) -> Tensor<B, D> {
-    all.clone()
-        .slice([offset..offset + numel(&dims)])
-        .reshape(dims)
+    all.clone().narrow(0, offset, numel(&dims)).reshape(dims)
 }
 
 /// The `part` of `model` (an autodiff module: only there do tensors say whether they
