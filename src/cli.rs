@@ -25,6 +25,26 @@ pub enum Command {
     Devices(DevicesArgs),
     /// Measure training throughput on synthetic data (same model and step as `train`).
     Bench(BenchArgs),
+    /// Train many variants of a config (grid and random search), one GPU slot per trial.
+    #[command(
+        after_help = "Exit codes: 0 every trial finished, 1 some trial failed (the others ran), 2 bad sweep file,
+130 interrupted (continue with --resume SWEEP_DIR)."
+    )]
+    Sweep(SweepArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct SweepArgs {
+    /// Sweep file (TOML): base config, axes, metric, gpus_per_trial, max_parallel.
+    #[arg(long, value_name = "FILE", conflicts_with = "resume")]
+    pub config: Option<PathBuf>,
+    /// Folder that holds sweep folders.
+    #[arg(long, value_name = "DIR", default_value = "sweeps")]
+    pub output: PathBuf,
+    /// Continue a sweep: finished trials are kept, unfinished ones resume from their
+    /// checkpoints, failed ones run again.
+    #[arg(long, value_name = "SWEEP_DIR")]
+    pub resume: Option<PathBuf>,
 }
 
 #[derive(Debug, clap::Args)]

@@ -9,6 +9,7 @@ mod exit;
 mod model;
 mod report;
 mod run;
+mod sweep;
 #[cfg(test)]
 mod test_util;
 mod train;

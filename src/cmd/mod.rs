@@ -5,6 +5,7 @@ mod bench;
 mod devices;
 mod eval;
 mod supervise;
+mod sweep;
 mod train;
 
 use std::process::ExitCode;
@@ -17,6 +18,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Eval(args) => eval::run(args),
         Command::Devices(args) => devices::run(args),
         Command::Bench(args) => bench::run(args),
+        Command::Sweep(args) => sweep::run(args),
     }
 }
 

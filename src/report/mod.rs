@@ -7,7 +7,7 @@ mod progress;
 mod summary;
 
 pub use csv::write_metrics;
-pub use plot::write_curves;
+pub use plot::{register_font, write_curves};
 pub use progress::{Progress, Ticker};
 pub use summary::{Summary, write_summary};
 

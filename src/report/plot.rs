@@ -14,7 +14,7 @@ use crate::train::EpochRecord;
 const W: u32 = 1200;
 const H: u32 = 450;
 
-fn register_font() {
+pub fn register_font() {
     static ONCE: Once = Once::new();
     ONCE.call_once(|| {
         plotters::style::register_font("sans-serif", FontStyle::Normal, dejavu::sans::regular())

@@ -545,3 +545,66 @@ fn a_run_killed_with_sigkill_resumes_and_ends_as_an_uninterrupted_one() {
         summary(&run)["final_test_loss"]
     );
 }
+
+#[test]
+fn a_sweep_runs_every_trial_records_a_failing_one_and_resumes() {
+    let dir = tempdir("sweep");
+    let file = dir.join("sweep.toml");
+    // The last batch size is larger than the 256 training images: that trial fails
+    // when it starts, the others train.
+    std::fs::write(
+        &file,
+        format!(
+            "base = {DEBUG_TOML:?}\nmax_restarts = 0\nset = [\"train.epochs=1\"]\n[grid]\n\"train.batch_size\" = [16, 32, 64, 100000]\n"
+        ),
+    )
+    .unwrap();
+    let out = dir.join("sweeps");
+    let o = Output::of(
+        kiln()
+            .args(["sweep", "--config"])
+            .arg(&file)
+            .arg("--output")
+            .arg(&out),
+    );
+    o.code(1)
+        .stderr_has("4 trials")
+        .stderr_has("trial 3 failed (exit 2)")
+        .stdout_has("best: trial");
+    let sweep = run_dir(&out);
+    let csv = std::fs::read_to_string(sweep.join("results.csv")).unwrap();
+    let rows: Vec<&str> = csv.lines().skip(1).collect();
+    assert_eq!(rows.len(), 4, "{csv}");
+    assert!(
+        rows[..3].iter().all(|r| r.contains(",finished,0,")),
+        "{csv}"
+    );
+    assert!(rows[3].starts_with("3,failed,2,"), "{csv}");
+    assert!(rows[3].contains("batch"), "the log tail says why: {csv}");
+    assert!(sweep.join("metric.png").is_file());
+    let best = std::fs::read_to_string(sweep.join("best.toml")).unwrap();
+    assert!(best.contains("batch_size"), "{best}");
+
+    // --resume keeps the finished trials and runs the failed one again.
+    let o = Output::of(kiln().args(["sweep", "--resume"]).arg(&sweep));
+    o.code(1)
+        .stderr_has("trial 0 finished earlier, skipped")
+        .stderr_has("trial 2 finished earlier, skipped")
+        .stderr_has("trial 3 failed (exit 2)");
+    // A typo in an axis stops the sweep before anything runs.
+    std::fs::write(
+        &file,
+        format!("base = {DEBUG_TOML:?}\n[grid]\n\"optim.lrr\" = [0.1]\n"),
+    )
+    .unwrap();
+    Output::of(
+        kiln()
+            .args(["sweep", "--config"])
+            .arg(&file)
+            .arg("--output")
+            .arg(dir.join("none")),
+    )
+    .code(2)
+    .stderr_has("did you mean `optim.lr`");
+    assert!(!dir.join("none").exists());
+}

@@ -1,0 +1,341 @@
+//! Runs the trials of a sweep, each a child `kiln train` in its own folder, at most one
+//! per slot at a time. A GPU slot's trials see only its GPUs (`CUDA_VISIBLE_DEVICES`
+//! holds their UUIDs, which renumbering cannot confuse); a CPU slot's trials train on
+//! the CPU. A failing trial is recorded and the others go on.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use super::spec::{SweepSpec, Trial};
+
+/// Where trials run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Slot {
+    /// For people: `GPU 1`, `GPUs 0,1`, `CPU 2`.
+    pub label: String,
+    /// UUIDs for `CUDA_VISIBLE_DEVICES`; `None`: a CPU slot.
+    pub visible: Option<String>,
+}
+
+/// Cuts the visible GPUs, `(physical index or ordinal, UUID)`, into slots of
+/// `per_trial`; without GPUs, `cpu_slots` CPU slots. At most `max_parallel` (0: no limit).
+pub fn slots(
+    gpus: &[(usize, String)],
+    per_trial: usize,
+    max_parallel: usize,
+    cpu_slots: usize,
+) -> Result<Vec<Slot>, String> {
+    let mut out: Vec<Slot> = if gpus.is_empty() {
+        (0..cpu_slots.max(1))
+            .map(|i| Slot {
+                label: format!("CPU {i}"),
+                visible: None,
+            })
+            .collect()
+    } else {
+        if gpus.len() < per_trial {
+            return Err(format!(
+                "gpus_per_trial = {per_trial}, but only {} GPU(s) are visible",
+                gpus.len()
+            ));
+        }
+        gpus.chunks_exact(per_trial)
+            .map(|c| Slot {
+                label: format!(
+                    "GPU{} {}",
+                    if c.len() > 1 { "s" } else { "" },
+                    c.iter()
+                        .map(|g| g.0.to_string())
+                        .collect::<Vec<_>>()
+                        .join(",")
+                ),
+                visible: Some(c.iter().map(|g| g.1.clone()).collect::<Vec<_>>().join(",")),
+            })
+            .collect()
+    };
+    if max_parallel > 0 {
+        out.truncate(max_parallel);
+    }
+    Ok(out)
+}
+
+/// How a trial ended.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Outcome {
+    pub index: usize,
+    /// `finished`, `failed`, `interrupted` or `not run`.
+    pub status: String,
+    pub exit_code: Option<i32>,
+    pub metric: Option<f64>,
+    pub run_dir: Option<PathBuf>,
+    pub slot: String,
+    pub wall_s: f64,
+    /// The end of the trial's log, when it failed.
+    pub log_tail: String,
+}
+
+pub fn trial_dir(sweep_dir: &Path, index: usize) -> PathBuf {
+    sweep_dir.join(format!("trial-{index:03}"))
+}
+
+/// The run directory `kiln train` made inside a trial's folder (the newest, if several).
+pub fn run_dir(trial_dir: &Path) -> Option<PathBuf> {
+    let mut runs: Vec<PathBuf> = std::fs::read_dir(trial_dir)
+        .ok()?
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.join("config.toml").is_file())
+        .collect();
+    runs.sort();
+    runs.pop()
+}
+
+/// `(status, metric)` from a run's `summary.json`.
+pub fn summary(run_dir: &Path, metric_key: &str) -> Option<(String, Option<f64>)> {
+    let text = std::fs::read_to_string(run_dir.join("summary.json")).ok()?;
+    let doc: serde_json::Value = serde_json::from_str(&text).ok()?;
+    Some((
+        doc["status"].as_str().unwrap_or("").to_string(),
+        doc[metric_key].as_f64(),
+    ))
+}
+
+fn log_tail(path: &Path, lines: usize) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
+}
+
+/// Last finished epoch and its test accuracy, from a running trial's `metrics.csv`.
+fn progress(run_dir: &Path) -> Option<(usize, String)> {
+    let text = std::fs::read_to_string(run_dir.join("metrics.csv")).ok()?;
+    let mut lines = text.lines();
+    let header: Vec<&str> = lines.next()?.split(',').collect();
+    let rows: Vec<&str> = lines.collect();
+    let last: Vec<&str> = rows.last()?.split(',').collect();
+    let acc = header
+        .iter()
+        .position(|h| *h == "test_acc")
+        .and_then(|i| last.get(i))
+        .map(|v| v.to_string())
+        .unwrap_or_default();
+    Some((rows.len(), acc))
+}
+
+struct Running {
+    slot: usize,
+    trial: Trial,
+    child: Child,
+    started: Instant,
+}
+
+/// Everything a sweep run needs besides the trials.
+pub struct Plan<'a> {
+    pub spec: &'a SweepSpec,
+    pub base: &'a Path,
+    pub sweep_dir: &'a Path,
+    pub exe: &'a Path,
+    pub slots: &'a [Slot],
+    pub interrupt: Arc<AtomicBool>,
+}
+
+/// Runs `trials` (skipping those already finished), returns every trial's outcome in
+/// trial order.
+pub fn run(plan: &Plan, trials: &[Trial]) -> std::io::Result<Vec<Outcome>> {
+    let metric = plan.spec.metric.key();
+    let mut outcomes: Vec<Option<Outcome>> = vec![None; trials.len()];
+    let mut queue: Vec<&Trial> = Vec::new();
+    for t in trials {
+        let dir = trial_dir(plan.sweep_dir, t.index);
+        let done = run_dir(&dir).and_then(|r| {
+            summary(&r, metric)
+                .filter(|(s, _)| s == "finished")
+                .map(|(_, m)| (r, m))
+        });
+        match done {
+            Some((r, m)) => {
+                eprintln!("kiln sweep: trial {} finished earlier, skipped", t.index);
+                outcomes[t.index] = Some(Outcome {
+                    index: t.index,
+                    status: "finished".into(),
+                    exit_code: Some(0),
+                    metric: m,
+                    run_dir: Some(r),
+                    slot: String::new(),
+                    wall_s: 0.0,
+                    log_tail: String::new(),
+                });
+            }
+            None => queue.push(t),
+        }
+    }
+    queue.reverse();
+    let total = queue.len();
+    let mut running: Vec<Running> = Vec::new();
+    let mut free: Vec<usize> = (0..plan.slots.len()).rev().collect();
+    let mut last_status = Instant::now();
+    let mut ended = 0usize;
+    loop {
+        while !plan.interrupt.load(Ordering::SeqCst) && !free.is_empty() && !queue.is_empty() {
+            let slot = free.pop().expect("checked non-empty");
+            let trial = queue.pop().expect("checked non-empty").clone();
+            let child = start(plan, &trial, &plan.slots[slot])?;
+            eprintln!(
+                "kiln sweep: trial {} on {}: {}",
+                trial.index,
+                plan.slots[slot].label,
+                trial.label()
+            );
+            running.push(Running {
+                slot,
+                trial,
+                child,
+                started: Instant::now(),
+            });
+        }
+        if running.is_empty() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+        let mut i = 0;
+        while i < running.len() {
+            let Some(status) = running[i].child.try_wait()? else {
+                i += 1;
+                continue;
+            };
+            let r = running.swap_remove(i);
+            free.push(r.slot);
+            ended += 1;
+            let dir = trial_dir(plan.sweep_dir, r.trial.index);
+            let run = run_dir(&dir);
+            let sum = run.as_deref().and_then(|d| summary(d, metric));
+            let code = status.code();
+            let state = match (code, &sum) {
+                (Some(0), Some((s, _))) if s == "finished" => "finished",
+                (Some(130), _) => "interrupted",
+                _ => "failed",
+            };
+            let tail = if state == "failed" {
+                log_tail(&dir.join("log.txt"), 8)
+            } else {
+                String::new()
+            };
+            let metric_value = sum.and_then(|s| s.1);
+            eprintln!(
+                "kiln sweep: trial {} {state} (exit {}) after {:.0} s{} [{ended}/{total}]",
+                r.trial.index,
+                code.map_or("by signal".into(), |c| c.to_string()),
+                r.started.elapsed().as_secs_f64(),
+                metric_value.map_or(String::new(), |m| format!(", {metric} {m:.4}")),
+            );
+            outcomes[r.trial.index] = Some(Outcome {
+                index: r.trial.index,
+                status: state.into(),
+                exit_code: code,
+                metric: metric_value,
+                run_dir: run,
+                slot: plan.slots[r.slot].label.clone(),
+                wall_s: r.started.elapsed().as_secs_f64(),
+                log_tail: tail,
+            });
+        }
+        if last_status.elapsed() > Duration::from_secs(30) && !running.is_empty() {
+            last_status = Instant::now();
+            for r in &running {
+                let dir = trial_dir(plan.sweep_dir, r.trial.index);
+                let p = run_dir(&dir).and_then(|d| progress(&d));
+                eprintln!(
+                    "kiln sweep:   trial {} on {}: {:.0} s{}",
+                    r.trial.index,
+                    plan.slots[r.slot].label,
+                    r.started.elapsed().as_secs_f64(),
+                    p.map_or(String::new(), |(e, acc)| format!(
+                        ", epoch {e} done, test acc {acc}"
+                    ))
+                );
+            }
+            eprintln!(
+                "kiln sweep: {ended}/{total} trials done, {} running, {} waiting",
+                running.len(),
+                queue.len()
+            );
+        }
+    }
+    Ok(outcomes
+        .into_iter()
+        .enumerate()
+        .map(|(i, o)| {
+            o.unwrap_or(Outcome {
+                index: i,
+                status: "not run".into(),
+                exit_code: None,
+                metric: None,
+                run_dir: None,
+                slot: String::new(),
+                wall_s: 0.0,
+                log_tail: String::new(),
+            })
+        })
+        .collect())
+}
+
+fn start(plan: &Plan, trial: &Trial, slot: &Slot) -> std::io::Result<Child> {
+    let dir = trial_dir(plan.sweep_dir, trial.index);
+    std::fs::create_dir_all(&dir)?;
+    let log = File::options()
+        .create(true)
+        .append(true)
+        .open(dir.join("log.txt"))?;
+    let mut cmd = Command::new(plan.exe);
+    cmd.arg("train")
+        .arg("--config")
+        .arg(plan.base)
+        .arg("--output")
+        .arg(&dir)
+        .arg("--max-restarts")
+        .arg(plan.spec.max_restarts.to_string());
+    // An unfinished trial continues from its checkpoints.
+    if run_dir(&dir).is_some_and(|r| r.join("checkpoints").is_dir()) {
+        cmd.arg("--resume");
+    }
+    for s in plan.spec.set.iter().cloned().chain(trial.sets()) {
+        cmd.arg("--set").arg(s);
+    }
+    match &slot.visible {
+        Some(uuids) => {
+            cmd.arg("--set").arg("devices.use=all");
+            cmd.env("CUDA_VISIBLE_DEVICES", uuids);
+        }
+        None => {
+            cmd.arg("--set").arg("devices.backend=cpu");
+        }
+    }
+    cmd.stdin(Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        .spawn()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gpus_are_cut_into_slots_that_name_them_by_uuid() {
+        let gpus: Vec<(usize, String)> = (0..4).map(|i| (i, format!("GPU-{i}"))).collect();
+        let s = slots(&gpus, 2, 0, 8).unwrap();
+        assert_eq!(s.len(), 2);
+        assert_eq!(s[1].label, "GPUs 2,3");
+        assert_eq!(s[1].visible.as_deref(), Some("GPU-2,GPU-3"));
+        assert_eq!(slots(&gpus, 1, 3, 8).unwrap().len(), 3);
+        assert!(slots(&gpus, 8, 0, 8).unwrap_err().contains("only 4 GPU(s)"));
+        let cpu = slots(&[], 1, 0, 2).unwrap();
+        assert_eq!((cpu.len(), cpu[0].visible.clone()), (2, None));
+    }
+}
