@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # How the two-H200 figures in BENCHMARKS.md and the device/failure demos were made:
 # one background pipeline on the lent nvidia-h200-x2 machine (README "GPU notes").
+# Lessons of its first run: every two-GPU step has a timeout (a hang must not eat the
+# session), and `pkill -f` must not match the calling shell's own command line.
 # Expects in .gpu/ (git-ignored): kiln.xz (stripped release binary, xz) and optionally
 # caches.tar.xz (kernel caches of an earlier run). Results go to /tmp/res;
 # `bench/gpu/watch.sh` collects them.
@@ -68,7 +70,7 @@ done
 # Phase B, warm and one at a time, so throughput is measured alone on the GPUs.
 bench() {  # name, then kiln bench args
   local name=$1; shift
-  "$K" bench --json "${SET[@]}" "$@" > "$RES/bench-$name.json" 2> "$RES/bench-$name.log"
+  timeout 300 "$K" bench --json "${SET[@]}" "$@" > "$RES/bench-$name.json" 2> "$RES/bench-$name.log"
   log "bench $name done"
 }
 torch() {  # name, gpus, then reference args
@@ -92,11 +94,11 @@ torch r18-2-bf16cl 2 "${R18[@]}" --precision bf16 --channels-last
 
 # The default config on both GPUs (issue 3), then a GPU failure (issue 4).
 log "fmnist 2 gpus"
-"$K" train --config configs/resnet.toml --output /tmp/runs/two "${SET[@]}" > "$RES/fmnist-2gpu.log" 2>&1
+timeout 900 "$K" train --config configs/resnet.toml --devices 0,1 --output /tmp/runs/two "${SET[@]}" > "$RES/fmnist-2gpu.log" 2>&1
 cp /tmp/runs/two/*/summary.json "$RES/fmnist-2gpu-summary.json"; cp /tmp/runs/two/*/metrics.csv "$RES/fmnist-2gpu-metrics.csv"
 log "fault"
 watch_apps "$RES/apps-fault.csv" & W=$!
-"$K" train --config configs/resnet.toml --output /tmp/runs/fault "${SET[@]}" --set checkpoint.every_steps=100 \
+timeout 900 "$K" train --config configs/resnet.toml --devices 0,1 --output /tmp/runs/fault "${SET[@]}" --set checkpoint.every_steps=100 \
   --set faults.inject=error --set faults.device=1 --set faults.step=1000 > "$RES/fault.log" 2>&1
 echo "exit $?" >> "$RES/fault.log"; kill $W
 for f in summary.json metrics.csv failure.json devices.json; do cp /tmp/runs/fault/*/$f "$RES/fault-$f" 2>/dev/null; done
@@ -116,5 +118,15 @@ sleep 35; kill -9 -- -$P; sleep 1
 "$K" train --resume "$(ls -d /tmp/runs/k9/*/ | head -1)" --set devices.cache_dir=$C > "$RES/kill9-resume.log" 2>&1
 echo "exit $?" >> "$RES/kill9-resume.log"
 cp /tmp/runs/k9/*/summary.json "$RES/kill9-summary.json"
+# Issue 5: eight short trials, two at a time on separate GPUs, then one at a time.
+sweep() {  # name, max_parallel
+  printf 'base = "%s/configs/resnet.toml"\nmax_parallel = %s\nset = ["train.epochs=2", "data.max_train_samples=20480", "devices.cache_dir=%s"]\n[grid]\n"optim.lr" = [0.05, 0.1, 0.2, 0.4]\n"optim.weight_decay" = [5e-4, 1e-3]\n' \
+    "$PWD" "$2" "$C" > /tmp/$1.toml
+  watch_apps "$RES/apps-$1.csv" & local w=$!
+  ( time "$K" sweep --config /tmp/$1.toml --output /tmp/sweeps ) > "$RES/$1.log" 2>&1
+  kill $w; cp /tmp/sweeps/$1-*/results.csv "$RES/$1-results.csv"
+  log "sweep $1 done"
+}
+[ "${SWEEP:-1}" = 1 ] && { sweep sweep-2 2; sweep sweep-1 1; }
 log "done"
 touch "$RES/DONE"

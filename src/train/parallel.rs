@@ -809,17 +809,20 @@ mod tests {
             return model;
         }
         let mut r = Replicas::<TestBackend, M>::start(&devices, &names, &[], cfg.train.strategy);
+        steps(&mut r, model, &mut optim, batches, cfg)
+    }
+
+    /// One data-parallel step per batch, at a fixed learning rate.
+    fn steps<M: Classifier<TestBackend> + AutodiffModule<TestBackend> + 'static>(
+        r: &mut Replicas<TestBackend, M>,
+        mut model: M,
+        optim: &mut Optim<M, TestBackend>,
+        batches: &[Batch],
+        cfg: &Config,
+    ) -> M {
         for (s, b) in batches.iter().enumerate() {
             model = r
-                .step(
-                    model,
-                    &mut optim,
-                    b.clone(),
-                    0.05,
-                    &cfg.train,
-                    s as u64,
-                    None,
-                )
+                .step(model, optim, b.clone(), 0.05, &cfg.train, s as u64, None)
                 .unwrap()
                 .0;
         }
@@ -958,20 +961,7 @@ mod tests {
             let cfg = Config::default();
             let mut optim = Optim::new(&cfg.optim);
             let before = super::transfer::buffers(&model);
-            for (s, b) in batches.iter().enumerate() {
-                model = r
-                    .step(
-                        model,
-                        &mut optim,
-                        b.clone(),
-                        0.05,
-                        &cfg.train,
-                        s as u64,
-                        None,
-                    )
-                    .unwrap()
-                    .0;
-            }
+            model = steps(&mut r, model, &mut optim, &batches, &cfg);
             model = r.sync_buffers(model, 2).unwrap();
             let once = super::transfer::buffers(&model);
             assert_ne!(once, before, "training should move the statistics");

@@ -161,21 +161,7 @@ impl HostGrads {
         mut grads: GradientsParams,
         model: &M,
     ) -> Self {
-        collect::<B, M>(model, &mut |id, n, d| match d {
-            1 => grads
-                .remove::<B::InnerBackend, 1>(id)
-                .map(|g| g.reshape([n])),
-            2 => grads
-                .remove::<B::InnerBackend, 2>(id)
-                .map(|g| g.reshape([n])),
-            3 => grads
-                .remove::<B::InnerBackend, 3>(id)
-                .map(|g| g.reshape([n])),
-            4 => grads
-                .remove::<B::InnerBackend, 4>(id)
-                .map(|g| g.reshape([n])),
-            _ => None,
-        })
+        collect::<B, M>(model, Source::Take(&mut grads))
     }
 
     /// A host copy of `grads`, which stay where they are.
@@ -183,13 +169,7 @@ impl HostGrads {
         grads: &GradientsParams,
         model: &M,
     ) -> Self {
-        collect::<B, M>(model, &mut |id, n, d| match d {
-            1 => grads.get::<B::InnerBackend, 1>(id).map(|g| g.reshape([n])),
-            2 => grads.get::<B::InnerBackend, 2>(id).map(|g| g.reshape([n])),
-            3 => grads.get::<B::InnerBackend, 3>(id).map(|g| g.reshape([n])),
-            4 => grads.get::<B::InnerBackend, 4>(id).map(|g| g.reshape([n])),
-            _ => None,
-        })
+        collect::<B, M>(model, Source::Copy(grads))
     }
 
     /// Uploads all gradients to `device` in one piece.
@@ -227,30 +207,37 @@ impl HostGrads {
     }
 }
 
-/// Gradients of `model`'s trainable parameters, each flattened by `take(id, numel,
-/// rank)`, concatenated and read back once.
-fn collect<B: AutodiffBackend, M: AutodiffModule<B>>(
-    model: &M,
-    take: &mut dyn FnMut(ParamId, usize, usize) -> Option<Tensor<B::InnerBackend, 1>>,
-) -> HostGrads {
+/// Where [`collect`] finds the gradients.
+enum Source<'a> {
+    Take(&'a mut GradientsParams),
+    Copy(&'a GradientsParams),
+}
+
+/// The gradients of `model`'s parameters, flattened, concatenated in visiting order and
+/// read back once.
+fn collect<B: AutodiffBackend, M: AutodiffModule<B>>(model: &M, source: Source) -> HostGrads {
     struct Col<'a, B: AutodiffBackend> {
-        take: &'a mut dyn FnMut(ParamId, usize, usize) -> Option<Tensor<B::InnerBackend, 1>>,
+        source: Source<'a>,
         pieces: Vec<Tensor<B::InnerBackend, 1>>,
         index: HashMap<ParamId, usize>,
         offset: usize,
     }
     impl<B: AutodiffBackend> ModuleVisitor<B> for Col<'_, B> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            let n = numel(&param.val().dims());
-            if let Some(g) = (self.take)(param.id, n, D) {
+            let g = match &mut self.source {
+                Source::Take(g) => g.remove::<B::InnerBackend, D>(param.id),
+                Source::Copy(g) => g.get::<B::InnerBackend, D>(param.id),
+            };
+            if let Some(g) = g {
+                let n = numel(&g.dims());
                 self.index.insert(param.id, self.offset);
                 self.offset += n;
-                self.pieces.push(g);
+                self.pieces.push(g.reshape([n]));
             }
         }
     }
     let mut c = Col::<B> {
-        take,
+        source,
         pieces: Vec::new(),
         index: HashMap::new(),
         offset: 0,
