@@ -25,12 +25,27 @@ pub enum Command {
     Devices(DevicesArgs),
     /// Measure training throughput on synthetic data (same model and step as `train`).
     Bench(BenchArgs),
+    /// Fill the kernel and autotune caches for a config ahead of its run (CUDA).
+    Warmup(WarmupArgs),
     /// Train many variants of a config (grid and random search), one GPU slot per trial.
     #[command(
         after_help = "Exit codes: 0 every trial finished, 1 some trial failed (the others ran), 2 bad sweep file,
 130 interrupted (continue with --resume SWEEP_DIR)."
     )]
     Sweep(SweepArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct WarmupArgs {
+    /// Config file (TOML) of the run to prepare.
+    #[arg(long, value_name = "FILE")]
+    pub config: PathBuf,
+    /// Override a config key, as for `train`.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub sets: Vec<String>,
+    /// Which GPUs, as for `train`.
+    #[arg(long, value_name = "GPUS")]
+    pub devices: Option<String>,
 }
 
 #[derive(Debug, clap::Args)]

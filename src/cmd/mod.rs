@@ -7,6 +7,7 @@ mod eval;
 mod supervise;
 mod sweep;
 mod train;
+mod warmup;
 
 use std::process::ExitCode;
 
@@ -19,6 +20,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Devices(args) => devices::run(args),
         Command::Bench(args) => bench::run(args),
         Command::Sweep(args) => sweep::run(args),
+        Command::Warmup(args) => warmup::run(args),
     }
 }
 

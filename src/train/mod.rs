@@ -14,6 +14,7 @@ mod state;
 mod step;
 mod trainer;
 mod transfer;
+mod warmup;
 mod watchdog;
 
 pub use bench::BenchJob;
@@ -22,3 +23,4 @@ pub use eval::{EvalJob, pick_checkpoint};
 pub use parallel::ReplicaError;
 pub use state::{EpochRecord, TrainState};
 pub use trainer::{Outcome, TrainError, TrainJob};
+pub use warmup::WarmupJob;

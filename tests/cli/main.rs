@@ -608,3 +608,13 @@ fn a_sweep_runs_every_trial_records_a_failing_one_and_resumes() {
     .stderr_has("did you mean `optim.lr`");
     assert!(!dir.join("none").exists());
 }
+
+#[test]
+fn warmup_on_the_cpu_says_there_is_nothing_to_compile() {
+    Output::of(kiln().args(["warmup", "--config", DEBUG_TOML]))
+        .success()
+        .stderr_has("nothing to warm up");
+    Output::of(kiln().args(["warmup", "--config", DEBUG_TOML, "--set", "train.epochs=0"]))
+        .code(2)
+        .stderr_has("train.epochs");
+}
