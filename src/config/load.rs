@@ -324,6 +324,26 @@ mod tests {
     }
 
     #[test]
+    fn flags_that_cannot_do_their_job_are_rejected_with_the_reason() {
+        let msg = |set: &str| {
+            load_str("", "t.toml", &sets(&[set]))
+                .unwrap_err()
+                .to_string()
+        };
+        let m = msg("train.precision=bf16");
+        assert!(
+            m.contains("train.precision = bf16") && m.contains("mixed precision"),
+            "{m}"
+        );
+        let m = msg("data.pin_memory=true");
+        assert!(
+            m.contains("data.pin_memory = true") && m.contains("heap buffer"),
+            "{m}"
+        );
+        assert!(load_str("", "t.toml", &sets(&["train.precision=fp32"])).is_ok());
+    }
+
+    #[test]
     fn training_hash_ignores_where_the_run_goes_but_not_what_it_computes() {
         let base = load_str("", "t.toml", &[]).unwrap();
         let moved = load_str(

@@ -131,6 +131,8 @@ pub struct DataConfig {
     pub num_workers: usize,
     /// Batches prepared ahead of the training thread. At least 1.
     pub prefetch: usize,
+    /// Page-locked host buffers for uploads. Not available: `true` is rejected.
+    pub pin_memory: bool,
     /// `synthetic` only: number of training images.
     pub synthetic_train_size: usize,
     /// `synthetic` only: number of test images.
@@ -153,6 +155,7 @@ impl Default for DataConfig {
             max_test_samples: 0,
             num_workers: 4,
             prefetch: 4,
+            pin_memory: false,
             synthetic_train_size: 10_240,
             synthetic_test_size: 1_024,
             synthetic_classes: 10,
@@ -174,6 +177,18 @@ pub enum Autotune {
     Extensive,
     /// cubecl's `full`: tunes every shape on its own.
     Full,
+}
+
+/// Number format of the training arithmetic.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Precision {
+    /// f32 everywhere (Burn runs f32 matmuls as TF32 on the tensor cores).
+    Fp32,
+    /// Mixed precision with bfloat16 compute: not built yet.
+    Bf16,
+    /// Mixed precision with float16 compute and loss scaling: not built yet.
+    Fp16,
 }
 
 /// How the data-parallel learner combines the replicas' gradients (several devices).
@@ -225,6 +240,8 @@ pub struct TrainConfig {
     /// Relative share of each global batch per device, in the order of the devices
     /// used (e.g. `[3, 1]`); empty: equal shares. Only with several devices.
     pub device_weights: Vec<f64>,
+    /// Number format of the training arithmetic. Only `fp32` is built (see validate).
+    pub precision: Precision,
     /// `dp` or `ddp` (see `Strategy`); only with several devices.
     pub strategy: Strategy,
     /// Batch statistics over all replicas' shards. Not available: `false` keeps each
@@ -247,6 +264,7 @@ impl Default for TrainConfig {
             hang_timeout_s: 0.0,
             autotune: Autotune::Balanced,
             device_weights: Vec::new(),
+            precision: Precision::Fp32,
             strategy: Strategy::Dp,
             sync_batchnorm: false,
         }
@@ -576,6 +594,13 @@ impl Config {
                 "positive numbers, one per device used (or [] for equal shares)",
             );
         }
+        if t.precision != Precision::Fp32 {
+            return bad(
+                "train.precision",
+                format!("{:?}", t.precision).to_lowercase(),
+                "\"fp32\": Burn 0.21 has no automatic mixed precision and kiln's (fp32 master weights, low-precision convolutions, loss scaling for fp16) is not written yet",
+            );
+        }
         if t.sync_batchnorm {
             return bad(
                 "train.sync_batchnorm",
@@ -592,6 +617,13 @@ impl Config {
                 "data.num_workers",
                 "0".into(),
                 "at least 1 (loading always runs off the training thread)",
+            );
+        }
+        if d.pin_memory {
+            return bad(
+                "data.pin_memory",
+                "true".into(),
+                "false: cubecl 0.10 copies every upload through an ordinary heap buffer of its own, so page-locked loader buffers would not be what the upload reads (uploads stay synchronous and pageable)",
             );
         }
         if d.prefetch == 0 {
