@@ -96,6 +96,12 @@ pub fn run_dir(trial_dir: &Path) -> Option<PathBuf> {
     runs.pop()
 }
 
+/// The trial's run directory when it holds a complete checkpoint to resume from (what
+/// `kiln train --resume` needs: a `latest` pointer).
+fn resumable_run(trial_dir: &Path) -> Option<PathBuf> {
+    run_dir(trial_dir).filter(|r| r.join("checkpoints").join("latest").is_file())
+}
+
 /// `(status, metric)` from a run's `summary.json`.
 pub fn summary(run_dir: &Path, metric_key: &str) -> Option<(String, Option<f64>)> {
     let text = std::fs::read_to_string(run_dir.join("summary.json")).ok()?;
@@ -300,9 +306,10 @@ fn start(plan: &Plan, trial: &Trial, slot: &Slot) -> std::io::Result<Child> {
         .arg(&dir)
         .arg("--max-restarts")
         .arg(plan.spec.max_restarts.to_string());
-    // An unfinished trial continues from its checkpoints.
-    if run_dir(&dir).is_some_and(|r| r.join("checkpoints").is_dir()) {
-        cmd.arg("--resume");
+    // An unfinished trial continues from its checkpoints; one stopped before its
+    // first checkpoint starts again.
+    if let Some(run) = resumable_run(&dir) {
+        cmd.arg("--resume").arg(run);
     }
     for s in plan.spec.set.iter().cloned().chain(trial.sets()) {
         cmd.arg("--set").arg(s);
@@ -337,5 +344,17 @@ mod tests {
         assert!(slots(&gpus, 8, 0, 8).unwrap_err().contains("only 4 GPU(s)"));
         let cpu = slots(&[], 1, 0, 2).unwrap();
         assert_eq!((cpu.len(), cpu[0].visible.clone()), (2, None));
+    }
+
+    #[test]
+    fn a_trial_resumes_only_from_a_complete_checkpoint() {
+        let dir = crate::test_util::tempdir();
+        let run = dir.path().join("debug-20261130-120000");
+        std::fs::create_dir_all(run.join("checkpoints")).unwrap();
+        std::fs::write(run.join("config.toml"), "").unwrap();
+        // Stopped before its first checkpoint: start again, do not resume.
+        assert_eq!(resumable_run(dir.path()), None);
+        std::fs::write(run.join("checkpoints/latest"), "step-000000004").unwrap();
+        assert_eq!(resumable_run(dir.path()), Some(run));
     }
 }
