@@ -236,14 +236,26 @@ impl<B: AutodiffBackend, M: Classifier<B> + AutodiffModule<B> + 'static> Replica
     /// the new weights before each step. `ddp` replicas update themselves.
     fn prepare(&mut self, model: &M, optim: &Optim<M, B>, step: u64) -> Result<(), ReplicaError> {
         let mut weights: Option<Arc<Flat>> = None;
+        // Serialised once, however many replicas are set up.
+        let mut state: Option<Vec<u8>> = None;
         for i in 1..self.workers.len() {
             if !self.workers[i].initialized {
                 let optim = match self.strategy {
                     Strategy::Dp => None,
                     Strategy::Ddp => {
-                        let bytes = optim.to_bytes().map_err(|e| {
-                            self.failed(i, step, format!("copying the optimizer state: {e}"))
-                        })?;
+                        let bytes = match &state {
+                            Some(b) => b.clone(),
+                            None => {
+                                let b = optim.to_bytes().map_err(|e| {
+                                    self.failed(
+                                        i,
+                                        step,
+                                        format!("copying the optimizer state: {e}"),
+                                    )
+                                })?;
+                                state.insert(b).clone()
+                            }
+                        };
                         Some((optim.clone(), bytes))
                     }
                 };
