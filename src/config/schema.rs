@@ -244,6 +244,9 @@ pub struct TrainConfig {
     pub precision: Precision,
     /// `dp` or `ddp` (see `Strategy`); only with several devices.
     pub strategy: Strategy,
+    /// With several devices: consecutive weights or gradients of up to this many MiB
+    /// cross between host and device in one transfer; 0: one transfer per tensor.
+    pub transfer_bucket_mib: u64,
     /// Batch statistics over all replicas' shards. Not available: `false` keeps each
     /// shard's own statistics (running statistics stay identical across replicas).
     pub sync_batchnorm: bool,
@@ -266,6 +269,7 @@ impl Default for TrainConfig {
             device_weights: Vec::new(),
             precision: Precision::Fp32,
             strategy: Strategy::Dp,
+            transfer_bucket_mib: 0,
             sync_batchnorm: false,
         }
     }

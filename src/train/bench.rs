@@ -16,6 +16,7 @@ use super::optim::Optim;
 use super::parallel::{ReplicaError, Replicas};
 use super::step::{to_device, train_step};
 use super::trainer::model_spec;
+use super::transfer::Buckets;
 use crate::config::Config;
 use crate::data::{Batch, Dataset};
 use crate::model::ResNet;
@@ -84,7 +85,13 @@ impl BackendJob for BenchJob {
             }
         };
         let mut replicas = (devices.len() > 1).then(|| {
-            Replicas::<B, ResNet<B>>::start(&devices, &self.device_names, &[], cfg.train.strategy)
+            Replicas::<B, ResNet<B>>::start(
+                &devices,
+                &self.device_names,
+                &[],
+                cfg.train.strategy,
+                Buckets::mib(cfg.train.transfer_bucket_mib),
+            )
         });
         let mut step = |model: ResNet<B>,
                         optim: &mut Optim<ResNet<B>, B>|

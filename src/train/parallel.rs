@@ -36,7 +36,7 @@ use burn::tensor::backend::AutodiffBackend;
 
 use super::optim::Optim;
 use super::step::{Sums, apply, apply_clipped, forward_backward, micro_batches};
-use super::transfer::{self, DeviceGrads, Flat, HostGrads, Part};
+use super::transfer::{self, Buckets, DeviceGrads, Flat, HostGrads, Part};
 use crate::config::{FaultKind, Strategy, TrainConfig};
 use crate::data::Batch;
 use crate::model::Classifier;
@@ -153,6 +153,7 @@ pub struct DeviceLoad {
 /// The worker threads of a data-parallel run; one per device, `devices[0]` the main one.
 pub struct Replicas<B: AutodiffBackend, M: AutodiffModule<B>> {
     strategy: Strategy,
+    buckets: Buckets,
     main: B::Device,
     workers: Vec<Worker<B, M>>,
     replies: Receiver<Reply<B>>,
@@ -169,6 +170,7 @@ impl<B: AutodiffBackend, M: Classifier<B> + AutodiffModule<B> + 'static> Replica
         names: &[String],
         weights: &[f64],
         strategy: Strategy,
+        buckets: Buckets,
     ) -> Self {
         let main = devices[0].clone();
         let (reply_tx, replies) = channel::<Reply<B>>();
@@ -185,6 +187,7 @@ impl<B: AutodiffBackend, M: Classifier<B> + AutodiffModule<B> + 'static> Replica
                     buffers: buffer_tx.clone(),
                     device: device.clone(),
                     main: main.clone(),
+                    buckets,
                 };
                 let handle = std::thread::Builder::new()
                     .name(format!("kiln-replica-{i}"))
@@ -215,6 +218,7 @@ impl<B: AutodiffBackend, M: Classifier<B> + AutodiffModule<B> + 'static> Replica
             .collect();
         Replicas {
             strategy,
+            buckets,
             main,
             pending: Arc::new(Mutex::new(vec![false; devices.len()])),
             workers,
@@ -263,7 +267,9 @@ impl<B: AutodiffBackend, M: Classifier<B> + AutodiffModule<B> + 'static> Replica
                 self.workers[i].initialized = true;
             } else if self.strategy == Strategy::Dp {
                 let w = weights
-                    .get_or_insert_with(|| Arc::new(transfer::snapshot(model, Part::Trainable)))
+                    .get_or_insert_with(|| {
+                        Arc::new(transfer::snapshot(model, Part::Trainable, self.buckets))
+                    })
                     .clone();
                 self.send(i, Msg::Weights(w), step)?;
             }
@@ -368,7 +374,7 @@ impl<B: AutodiffBackend, M: Classifier<B> + AutodiffModule<B> + 'static> Replica
         let grads = sum.out;
         if self.strategy == Strategy::Ddp && self.workers.len() > 1 {
             // The other replicas step as soon as the sum exists, beside the main one.
-            let host = HostGrads::copy(&grads, &model);
+            let host = HostGrads::copy(&grads, &model, self.buckets);
             for i in 1..self.workers.len() {
                 let update = Msg::Update {
                     grads: host.clone(),
@@ -395,7 +401,7 @@ impl<B: AutodiffBackend, M: Classifier<B> + AutodiffModule<B> + 'static> Replica
             self.send(i, Msg::ReadBuffers, step)?;
         }
         let mut all: Vec<Option<Flat>> = vec![None; self.workers.len()];
-        all[0] = Some(transfer::buffers(&model));
+        all[0] = Some(transfer::buffers(&model, self.buckets));
         let mut left = others.len();
         while left > 0 {
             match self.buffer_replies.recv_timeout(Duration::from_millis(500)) {
@@ -470,6 +476,7 @@ struct WorkerEnds<B: AutodiffBackend, M: AutodiffModule<B>> {
     buffers: Sender<BufferReply>,
     device: B::Device,
     main: B::Device,
+    buckets: Buckets,
 }
 
 /// One device's thread. Replies to every `Work` and `ReadBuffers`, in order; a failure
@@ -482,6 +489,7 @@ fn worker_loop<B: AutodiffBackend, M: Classifier<B> + AutodiffModule<B>>(ends: W
         buffers,
         device,
         main,
+        buckets,
     } = ends;
     let mut own: Option<M> = None;
     let mut optim: Option<Optim<M, B>> = None;
@@ -505,7 +513,14 @@ fn worker_loop<B: AutodiffBackend, M: Classifier<B> + AutodiffModule<B>>(ends: W
                             let model = model
                                 .clone()
                                 .ok_or_else(|| "work before the replica was set up".to_string())?;
-                            out = Some(run_job::<B, M>(&mut job, model, &device, &main, i > 0)?);
+                            out = Some(run_job::<B, M>(
+                                &mut job,
+                                model,
+                                &device,
+                                &main,
+                                i > 0,
+                                buckets,
+                            )?);
                             Ok(())
                         });
                         r.and_then(|()| out.ok_or_else(|| "no result".to_string()))
@@ -524,7 +539,7 @@ fn worker_loop<B: AutodiffBackend, M: Classifier<B> + AutodiffModule<B>>(ends: W
                     (None, Some(m)) => {
                         let mut data = None;
                         guarded(&mut || {
-                            data = Some(transfer::buffers(m));
+                            data = Some(transfer::buffers(m, buckets));
                             Ok(())
                         })
                         .and_then(|()| data.ok_or_else(|| "no statistics".to_string()))
@@ -539,7 +554,7 @@ fn worker_loop<B: AutodiffBackend, M: Classifier<B> + AutodiffModule<B>>(ends: W
             Msg::Init(init) => {
                 let (model, mut with_optim) = *init;
                 let r = guarded(&mut || {
-                    own = Some(transfer::replica(&model, &device));
+                    own = Some(transfer::replica(&model, &device, buckets));
                     if let Some((o, bytes)) = with_optim.take() {
                         optim = Some(o.load_bytes(bytes, &device).map_err(|e| e.to_string())?);
                     }
@@ -592,6 +607,7 @@ fn run_job<B: AutodiffBackend, M: Classifier<B> + AutodiffModule<B>>(
     device: &B::Device,
     main: &B::Device,
     remote: bool,
+    buckets: Buckets,
 ) -> Result<(Grads, Sums<B::InnerBackend>), String> {
     if let Some(kind) = job.fault {
         act_out(kind)?;
@@ -609,7 +625,7 @@ fn run_job<B: AutodiffBackend, M: Classifier<B> + AutodiffModule<B>>(
         // Reading back finishes this device's work here, so its time is measured and
         // errors surface on this thread, naming this device.
         (
-            Grads::Host(HostGrads::read(grads, &model)),
+            Grads::Host(HostGrads::read(grads, &model, buckets)),
             sums.via_host(main),
         )
     } else {
@@ -820,7 +836,13 @@ mod tests {
             }
             return model;
         }
-        let mut r = Replicas::<TestBackend, M>::start(&devices, &names, &[], cfg.train.strategy);
+        let mut r = Replicas::<TestBackend, M>::start(
+            &devices,
+            &names,
+            &[],
+            cfg.train.strategy,
+            Buckets::mib(cfg.train.transfer_bucket_mib),
+        );
         steps(&mut r, model, &mut optim, batches, cfg)
     }
 
@@ -920,6 +942,8 @@ mod tests {
             let one = params(&train_on(&init, &batches, 1, &accum));
             let mut cfg = Config::default();
             cfg.train.strategy = strategy;
+            // Per-tensor transfers on 2 replicas, one bucket for the whole model above.
+            cfg.train.transfer_bucket_mib = if n == 2 { 0 } else { 1 };
             let many = params(&train_on(&init, &batches, n, &cfg));
             let d = max_diff(&one, &many);
             assert!(
@@ -969,17 +993,22 @@ mod tests {
                 &names,
                 &[],
                 strategy,
+                Buckets { bytes: 4096 },
             );
             let cfg = Config::default();
             let mut optim = Optim::new(&cfg.optim);
-            let before = super::transfer::buffers(&model);
+            let before = super::transfer::buffers(&model, Buckets::default());
             model = steps(&mut r, model, &mut optim, &batches, &cfg);
             model = r.sync_buffers(model, 2).unwrap();
-            let once = super::transfer::buffers(&model);
+            let once = super::transfer::buffers(&model, Buckets::default());
             assert_ne!(once, before, "training should move the statistics");
             // A second sync averages identical copies: nothing changes.
             model = r.sync_buffers(model, 2).unwrap();
-            assert_eq!(super::transfer::buffers(&model), once, "{strategy:?}");
+            assert_eq!(
+                super::transfer::buffers(&model, Buckets::default()),
+                once,
+                "{strategy:?}"
+            );
         }
     }
 
@@ -1026,6 +1055,7 @@ mod tests {
             &names,
             &[],
             strategy,
+            Buckets::default(),
         );
         let mut optim = Optim::new(&Config::default().optim);
         let err = r

@@ -17,6 +17,7 @@ use super::parallel::{ReplicaError, Replicas, act_out, balance_report};
 use super::schedule::{Horizon, lr_at};
 use super::state::{EpochRecord, TrainState};
 use super::step::{Sums, eval_batch, train_step};
+use super::transfer::Buckets;
 use super::watchdog::{Pending, Watchdog};
 use crate::config::Config;
 use crate::config::{FaultKind, FaultsConfig};
@@ -145,7 +146,13 @@ pub fn fit<B: AutodiffBackend>(
         });
     }
     let mut replicas = (devices.len() > 1).then(|| {
-        Replicas::<B, ResNet<B>>::start(&devices, &job.devices, weights, cfg.train.strategy)
+        Replicas::<B, ResNet<B>>::start(
+            &devices,
+            &job.devices,
+            weights,
+            cfg.train.strategy,
+            Buckets::mib(cfg.train.transfer_bucket_mib),
+        )
     });
     let pending: Pending = match &replicas {
         Some(r) => r.pending_probe(),

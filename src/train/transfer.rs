@@ -29,25 +29,75 @@ fn wanted(part: Part, require_grad: bool) -> bool {
     }
 }
 
-/// Tensors concatenated into one vector, in host memory: one read-back or upload per
-/// transfer instead of one per tensor (each is a device synchronisation).
+/// How many bytes of consecutive tensors share one read-back or upload
+/// (`train.transfer_bucket_mib`). Each transfer is a device synchronisation, so few
+/// are cheaper, but on two H200s one 45 MB piece per transfer measured slower than one
+/// transfer per tensor (BENCHMARKS.md); 0 keeps every tensor on its own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Buckets {
+    pub bytes: usize,
+}
+
+impl Buckets {
+    pub fn mib(mib: u64) -> Self {
+        Buckets {
+            bytes: (mib as usize).saturating_mul(1 << 20),
+        }
+    }
+
+    /// The bucket of each tensor of `sizes` (elements, f32): consecutive tensors stay
+    /// together while their bytes fit, and a tensor larger than a bucket has its own.
+    fn assign(&self, sizes: &[usize]) -> Vec<usize> {
+        let mut out = Vec::with_capacity(sizes.len());
+        let (mut bucket, mut used) = (0, 0usize);
+        for (i, &n) in sizes.iter().enumerate() {
+            let bytes = n * std::mem::size_of::<f32>();
+            if i > 0 && used + bytes > self.bytes {
+                bucket += 1;
+                used = 0;
+            }
+            used += bytes;
+            out.push(bucket);
+        }
+        out
+    }
+}
+
+/// Tensors in host memory, in visiting order, concatenated per bucket.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Flat(TensorData);
+pub struct Flat(Vec<TensorData>);
 
 impl Flat {
-    fn of<B: Backend>(pieces: Vec<Tensor<B, 1>>) -> Self {
-        if pieces.is_empty() {
-            return Flat(TensorData::new(Vec::<f32>::new(), [0]));
+    fn of<B: Backend>(pieces: Vec<Tensor<B, 1>>, buckets: Buckets) -> Self {
+        let sizes: Vec<usize> = pieces.iter().map(|t| t.dims()[0]).collect();
+        let assigned = buckets.assign(&sizes);
+        let mut groups: Vec<Vec<Tensor<B, 1>>> = Vec::new();
+        for (t, b) in pieces.into_iter().zip(assigned) {
+            if groups.len() <= b {
+                groups.push(Vec::new());
+            }
+            groups[b].push(t);
         }
-        Flat(Tensor::cat(pieces, 0).into_data())
+        Flat(
+            groups
+                .into_iter()
+                .map(|mut g| match g.len() {
+                    1 => g.pop().expect("one tensor").into_data(),
+                    _ => Tensor::cat(g, 0).into_data(),
+                })
+                .collect(),
+        )
     }
 
     fn len(&self) -> usize {
-        self.0.shape.iter().product()
+        self.0.iter().map(|d| numel(&d.shape)).sum()
     }
 
-    fn upload<B: Backend>(&self, device: &B::Device) -> Tensor<B, 1> {
-        Tensor::from_data(self.0.clone(), device)
+    fn upload<B: Backend>(&self, device: &B::Device) -> Vec<Tensor<B, 1>> {
+        self.0
+            .iter()
+            .map(|d| Tensor::from_data(d.clone(), device))
+            .collect()
     }
 }
 
@@ -56,19 +106,54 @@ fn numel(dims: &[usize]) -> usize {
     dims.iter().product()
 }
 
-/// The piece `offset..offset + numel(dims)` of `all`, shaped as `dims`.
+/// The piece `offset..offset + numel(dims)` of `bucket`, shaped as `dims`.
 fn piece<B: Backend, const D: usize>(
-    all: &Tensor<B, 1>,
+    bucket: &Tensor<B, 1>,
     offset: usize,
     dims: [usize; D],
 ) -> Tensor<B, D> {
-    all.clone().narrow(0, offset, numel(&dims)).reshape(dims)
+    let n = numel(&dims);
+    if offset == 0 && bucket.dims()[0] == n {
+        return bucket.clone().reshape(dims);
+    }
+    bucket.clone().narrow(0, offset, n).reshape(dims)
+}
+
+/// Walks uploaded buckets in visiting order, handing out one tensor after the other.
+struct Cursor<B: Backend> {
+    buckets: Vec<Tensor<B, 1>>,
+    bucket: usize,
+    offset: usize,
+}
+
+impl<B: Backend> Cursor<B> {
+    fn next<const D: usize>(&mut self, dims: [usize; D]) -> Tensor<B, D> {
+        let n = numel(&dims);
+        if self.offset == self.buckets[self.bucket].dims()[0] {
+            self.bucket += 1;
+            self.offset = 0;
+        }
+        let b = &self.buckets[self.bucket];
+        assert!(
+            self.offset + n <= b.dims()[0],
+            "a snapshot of a module of the same structure"
+        );
+        let t = piece(b, self.offset, dims);
+        self.offset += n;
+        t
+    }
+
+    fn finished(&self) -> bool {
+        self.buckets.is_empty()
+            || self.bucket + 1 == self.buckets.len()
+                && self.offset == self.buckets[self.bucket].dims()[0]
+    }
 }
 
 /// The `part` of `model` (an autodiff module: only there do tensors say whether they
 /// are trained) in host memory, in visiting order. BatchNorm updates still pending
 /// are left out: [`buffers`] folds them in first.
-pub fn snapshot<B: Backend, M: Module<B>>(model: &M, part: Part) -> Flat {
+pub fn snapshot<B: Backend, M: Module<B>>(model: &M, part: Part, buckets: Buckets) -> Flat {
     struct Snap<B: Backend> {
         part: Part,
         pieces: Vec<Tensor<B, 1>>,
@@ -87,26 +172,25 @@ pub fn snapshot<B: Backend, M: Module<B>>(model: &M, part: Part) -> Flat {
         pieces: Vec::new(),
     };
     model.visit(&mut s);
-    Flat::of(s.pieces)
+    Flat::of(s.pieces, buckets)
 }
 
 /// BatchNorm running statistics of `model`, pending updates included.
-pub fn buffers<B: AutodiffBackend, M: AutodiffModule<B>>(model: &M) -> Flat {
+pub fn buffers<B: AutodiffBackend, M: AutodiffModule<B>>(model: &M, buckets: Buckets) -> Flat {
     // `valid` folds every thread's pending update into the shared value.
     let _ = model.valid();
-    snapshot(model, Part::Buffers)
+    snapshot(model, Part::Buffers, buckets)
 }
 
 /// `model` with its `part` replaced by `flat` (from [`snapshot`] of a module of the
-/// same structure), uploaded to `device` in one piece.
+/// same structure), uploaded to `device` one bucket at a time.
 pub fn load<B: Backend, M: Module<B>>(model: M, flat: &Flat, part: Part, device: &B::Device) -> M {
     if flat.len() == 0 {
         return model;
     }
     struct Load<B: Backend> {
         part: Part,
-        all: Tensor<B, 1>,
-        offset: usize,
+        cursor: Cursor<B>,
     }
     impl<B: Backend> ModuleMapper<B> for Load<B> {
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
@@ -118,20 +202,21 @@ pub fn load<B: Backend, M: Module<B>>(model: M, flat: &Flat, part: Part, device:
                 return param;
             }
             let (id, _, mapper) = param.consume();
-            let t = piece(&self.all, self.offset, dims).set_require_grad(require_grad);
-            self.offset += numel(&dims);
+            let t = self.cursor.next(dims).set_require_grad(require_grad);
             Param::from_mapped_value(id, t, mapper)
         }
     }
     let mut l = Load::<B> {
         part,
-        all: flat.upload(device),
-        offset: 0,
+        cursor: Cursor {
+            buckets: flat.upload(device),
+            bucket: 0,
+            offset: 0,
+        },
     };
     let model = model.map(&mut l);
-    assert_eq!(
-        l.offset,
-        flat.len(),
+    assert!(
+        l.cursor.finished(),
         "a snapshot of a module of the same structure"
     );
     model
@@ -139,20 +224,25 @@ pub fn load<B: Backend, M: Module<B>>(model: M, flat: &Flat, part: Part, device:
 
 /// An independent copy of `model` on `device`: same parameter ids, its own BatchNorm
 /// running statistics (not shared with `model`, unlike `Clone`).
-pub fn replica<B: AutodiffBackend, M: AutodiffModule<B>>(model: &M, device: &B::Device) -> M {
-    let stats = buffers(model);
-    let trainable = snapshot(model, Part::Trainable);
+pub fn replica<B: AutodiffBackend, M: AutodiffModule<B>>(
+    model: &M,
+    device: &B::Device,
+    buckets: Buckets,
+) -> M {
+    let stats = buffers(model, buckets);
+    let trainable = snapshot(model, Part::Trainable, buckets);
     // `from_inner` makes new running-statistics cells; the uploads put it on `device`.
     let fresh = M::from_inner(model.valid());
     let fresh = load(fresh, &trainable, Part::Trainable, device);
     load(fresh, &stats, Part::Buffers, device)
 }
 
-/// Gradients of one replica in host memory, concatenated in visiting order.
+/// Gradients of one replica in host memory, in visiting order, concatenated per bucket.
 #[derive(Clone)]
 pub struct HostGrads {
     flat: Flat,
-    index: HashMap<ParamId, usize>,
+    /// Each parameter's bucket and offset in it.
+    index: HashMap<ParamId, (usize, usize)>,
 }
 
 impl HostGrads {
@@ -160,22 +250,24 @@ impl HostGrads {
     pub fn read<B: AutodiffBackend, M: AutodiffModule<B>>(
         mut grads: GradientsParams,
         model: &M,
+        buckets: Buckets,
     ) -> Self {
-        collect::<B, M>(model, Source::Take(&mut grads))
+        collect::<B, M>(model, Source::Take(&mut grads), buckets)
     }
 
     /// A host copy of `grads`, which stay where they are.
     pub fn copy<B: AutodiffBackend, M: AutodiffModule<B>>(
         grads: &GradientsParams,
         model: &M,
+        buckets: Buckets,
     ) -> Self {
-        collect::<B, M>(model, Source::Copy(grads))
+        collect::<B, M>(model, Source::Copy(grads), buckets)
     }
 
-    /// Uploads all gradients to `device` in one piece.
+    /// Uploads all gradients to `device`, one bucket at a time.
     pub fn upload<B: Backend>(&self, device: &B::Device) -> DeviceGrads<B> {
         DeviceGrads {
-            all: self.flat.upload(device),
+            buckets: self.flat.upload(device),
             index: self.index.clone(),
         }
     }
@@ -213,14 +305,17 @@ enum Source<'a> {
     Copy(&'a GradientsParams),
 }
 
-/// The gradients of `model`'s parameters, flattened, concatenated in visiting order and
-/// read back once.
-fn collect<B: AutodiffBackend, M: AutodiffModule<B>>(model: &M, source: Source) -> HostGrads {
+/// The gradients of `model`'s parameters, flattened, concatenated per bucket in visiting
+/// order and read back one bucket at a time.
+fn collect<B: AutodiffBackend, M: AutodiffModule<B>>(
+    model: &M,
+    source: Source,
+    buckets: Buckets,
+) -> HostGrads {
     struct Col<'a, B: AutodiffBackend> {
         source: Source<'a>,
         pieces: Vec<Tensor<B::InnerBackend, 1>>,
-        index: HashMap<ParamId, usize>,
-        offset: usize,
+        ids: Vec<ParamId>,
     }
     impl<B: AutodiffBackend> ModuleVisitor<B> for Col<'_, B> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
@@ -230,8 +325,7 @@ fn collect<B: AutodiffBackend, M: AutodiffModule<B>>(model: &M, source: Source) 
             };
             if let Some(g) = g {
                 let n = numel(&g.dims());
-                self.index.insert(param.id, self.offset);
-                self.offset += n;
+                self.ids.push(param.id);
                 self.pieces.push(g.reshape([n]));
             }
         }
@@ -239,27 +333,36 @@ fn collect<B: AutodiffBackend, M: AutodiffModule<B>>(model: &M, source: Source) 
     let mut c = Col::<B> {
         source,
         pieces: Vec::new(),
-        index: HashMap::new(),
-        offset: 0,
+        ids: Vec::new(),
     };
     model.visit(&mut c);
+    let sizes: Vec<usize> = c.pieces.iter().map(|t| t.dims()[0]).collect();
+    let mut index = HashMap::new();
+    let mut at = (usize::MAX, 0);
+    for ((id, n), b) in c.ids.iter().zip(&sizes).zip(buckets.assign(&sizes)) {
+        if at.0 != b {
+            at = (b, 0);
+        }
+        index.insert(*id, at);
+        at.1 += n;
+    }
     HostGrads {
-        flat: Flat::of(c.pieces),
-        index: c.index,
+        flat: Flat::of(c.pieces, buckets),
+        index,
     }
 }
 
-/// Gradients uploaded in one piece; each parameter's is a slice of it.
+/// Gradients uploaded bucket by bucket; each parameter's is a slice of its bucket.
 pub struct DeviceGrads<B: Backend> {
-    all: Tensor<B, 1>,
-    index: HashMap<ParamId, usize>,
+    buckets: Vec<Tensor<B, 1>>,
+    index: HashMap<ParamId, (usize, usize)>,
 }
 
 impl<B: Backend> DeviceGrads<B> {
     pub fn take<const D: usize>(&self, id: ParamId, dims: [usize; D]) -> Option<Tensor<B, D>> {
         self.index
             .get(&id)
-            .map(|&offset| piece(&self.all, offset, dims))
+            .map(|&(bucket, offset)| piece(&self.buckets[bucket], offset, dims))
     }
 }
 
@@ -267,17 +370,22 @@ impl<B: Backend> DeviceGrads<B> {
 /// the order given, so every run computes the same numbers.
 pub fn mean(snapshots: &[Flat]) -> Flat {
     let n = snapshots.len() as f32;
-    let shape = snapshots[0].0.shape.clone();
-    let mut acc: Vec<f32> = snapshots[0]
-        .0
-        .to_vec::<f32>()
-        .expect("BatchNorm statistics are float tensors");
-    for s in &snapshots[1..] {
-        let v = s.0.to_vec::<f32>().expect("float tensors");
-        acc.iter_mut().zip(v).for_each(|(a, b)| *a += b);
-    }
-    acc.iter_mut().for_each(|a| *a /= n);
-    Flat(TensorData::new(acc, shape))
+    Flat(
+        (0..snapshots[0].0.len())
+            .map(|b| {
+                let shape = snapshots[0].0[b].shape.clone();
+                let mut acc: Vec<f32> = snapshots[0].0[b]
+                    .to_vec::<f32>()
+                    .expect("BatchNorm statistics are float tensors");
+                for s in &snapshots[1..] {
+                    let v = s.0[b].to_vec::<f32>().expect("float tensors");
+                    acc.iter_mut().zip(v).for_each(|(a, b)| *a += b);
+                }
+                acc.iter_mut().for_each(|a| *a /= n);
+                TensorData::new(acc, shape)
+            })
+            .collect(),
+    )
 }
 
 #[cfg(test)]
@@ -291,18 +399,18 @@ mod tests {
     fn a_replica_is_equal_but_does_not_share_running_statistics() {
         let _rng = rng_lock();
         let model = ModelSpec::new(Arch::Tiny, Stem::Small, 3, 3, 8).init::<TestBackend>(&device());
-        let copy = replica(&model, &device());
+        let copy = replica(&model, &device(), Buckets::default());
         assert_eq!(
-            snapshot(&model, Part::Trainable),
-            snapshot(&copy, Part::Trainable)
+            snapshot(&model, Part::Trainable, Buckets::default()),
+            snapshot(&copy, Part::Trainable, Buckets::default())
         );
-        let before = buffers(&model);
+        let before = buffers(&model, Buckets::default());
         assert!(before.len() > 0);
         // Training-mode forward passes on the copy move only its own statistics.
         let x = Tensor::<TestBackend, 4>::ones([4, 3, 8, 8], &device());
         let _ = copy.forward(x);
-        assert_eq!(buffers(&model), before);
-        assert_ne!(buffers(&copy), before);
+        assert_eq!(buffers(&model, Buckets::default()), before);
+        assert_ne!(buffers(&copy, Buckets::default()), before);
         // Same parameter ids: the main optimizer's state applies to either.
         let ids = |m: &crate::model::ResNet<TestBackend>| {
             let mut v = Vec::new();
@@ -321,10 +429,52 @@ mod tests {
     }
 
     #[test]
+    fn a_snapshot_loads_into_another_model_whatever_the_buckets() {
+        let _rng = rng_lock();
+        let spec = ModelSpec::new(Arch::Tiny, Stem::Small, 3, 3, 8);
+        let a = spec.init::<TestBackend>(&device());
+        for buckets in [
+            Buckets::default(),
+            Buckets { bytes: 4096 },
+            Buckets::mib(64),
+        ] {
+            let b = spec.init::<TestBackend>(&device());
+            let whole = |m: &crate::model::ResNet<TestBackend>| {
+                snapshot(m, Part::Trainable, Buckets::mib(64))
+            };
+            assert_ne!(whole(&a), whole(&b));
+            let b = load(
+                b,
+                &snapshot(&a, Part::Trainable, buckets),
+                Part::Trainable,
+                &device(),
+            );
+            assert_eq!(whole(&a), whole(&b), "{buckets:?}");
+        }
+    }
+
+    #[test]
     fn mean_of_snapshots_is_element_wise() {
-        let a = Flat(TensorData::new(vec![1.0f32, 2.0], [2]));
-        let b = Flat(TensorData::new(vec![3.0f32, 6.0], [2]));
-        assert_eq!(mean(&[a, b]), Flat(TensorData::new(vec![2.0f32, 4.0], [2])));
+        let flat = |v: [&[f32]; 2]| {
+            Flat(
+                v.iter()
+                    .map(|b| TensorData::new(b.to_vec(), [b.len()]))
+                    .collect(),
+            )
+        };
+        let a = flat([&[1.0, 2.0], &[5.0]]);
+        let b = flat([&[3.0, 6.0], &[7.0]]);
+        assert_eq!(mean(&[a, b]), flat([&[2.0, 4.0], &[6.0]]));
+    }
+
+    #[test]
+    fn buckets_keep_consecutive_tensors_together_while_they_fit() {
+        // Sizes in f32 elements: 4 bytes each.
+        let sizes = [256, 256, 1024, 10, 10];
+        assert_eq!(Buckets::default().assign(&sizes), [0, 1, 2, 3, 4]);
+        assert_eq!(Buckets { bytes: 2048 }.assign(&sizes), [0, 0, 1, 2, 2]);
+        assert_eq!(Buckets { bytes: 4136 }.assign(&sizes), [0, 0, 1, 1, 2]);
+        assert_eq!(Buckets::mib(64).assign(&sizes), [0; 5]);
     }
 
     #[test]
@@ -337,13 +487,21 @@ mod tests {
             &device(),
         );
         let grads = GradientsParams::from_grads(model.forward(x).sum().backward(), &model);
-        let host = HostGrads::copy(&grads, &model);
-        let back = host.clone().into_params(&model, &device());
-        let read = HostGrads::read(grads, &model);
-        assert!(!host.index.is_empty());
-        assert_eq!(host.flat, read.flat);
-        let again = HostGrads::copy(&back, &model);
-        assert_eq!(again.flat, host.flat);
-        assert_eq!(again.index, host.index);
+        let whole = HostGrads::copy(&grads, &model, Buckets::mib(64));
+        assert_eq!(whole.flat.0.len(), 1);
+        for buckets in [
+            Buckets::default(),
+            Buckets { bytes: 4096 },
+            Buckets::mib(64),
+        ] {
+            let host = HostGrads::copy(&grads, &model, buckets);
+            let back = host.clone().into_params(&model, &device());
+            assert!(!host.index.is_empty());
+            let again = HostGrads::copy(&back, &model, Buckets::mib(64));
+            assert_eq!(again.flat, whole.flat, "{buckets:?}");
+            assert_eq!(again.index.len(), host.index.len());
+        }
+        let per_tensor = HostGrads::read(grads, &model, Buckets::default());
+        assert_eq!(per_tensor.flat.0.len(), per_tensor.index.len());
     }
 }

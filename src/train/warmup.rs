@@ -13,6 +13,7 @@ use super::optim::Optim;
 use super::parallel::Replicas;
 use super::step::train_step;
 use super::trainer::{TrainError, evaluate, model_spec};
+use super::transfer::Buckets;
 use crate::config::Config;
 use crate::data::Dataset;
 use crate::model::ResNet;
@@ -54,6 +55,7 @@ impl BackendJob for WarmupJob {
                 &self.device_names,
                 &cfg.train.device_weights,
                 cfg.train.strategy,
+                Buckets::mib(cfg.train.transfer_bucket_mib),
             );
             let (m, _) = r.step(model, &mut optim, batch, lr, &cfg.train, 1, None)?;
             r.sync_buffers(m, 1)?
