@@ -70,9 +70,12 @@ pub fn run(args: DevicesArgs) -> anyhow::Result<ExitCode> {
             println!("this kiln was built without the `cuda` feature; training runs on the CPU")
         }
         Probe::NoDriver(why) => println!("no usable CUDA driver: {why}; training runs on the CPU"),
-        Probe::Gpus(gpus) if gpus.is_empty() => {
-            println!("the driver shows no GPU to this process; training runs on the CPU")
-        }
+        Probe::Gpus(gpus) if gpus.is_empty() => match &env.visible {
+            Some(v) => println!(
+                "no GPU is visible under CUDA_VISIBLE_DEVICES={v:?}; training runs on the CPU"
+            ),
+            None => println!("the driver shows no GPU to this process; training runs on the CPU"),
+        },
         Probe::Gpus(gpus) => {
             println!(
                 "{:<5} {:<8} {:<22} {:<17} {:>19} {:>5}  {:<4} uuid / processes",

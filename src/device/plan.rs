@@ -173,7 +173,10 @@ pub fn plan(
         Probe::NotBuilt => "this kiln was built without the `cuda` feature".to_string(),
         Probe::NoDriver(why) => why.clone(),
         Probe::Gpus(g) if g.is_empty() => match &env.visible {
-            Some(v) => format!("the driver sees no GPU (CUDA_VISIBLE_DEVICES={v:?})"),
+            Some(v) if v.trim().is_empty() => {
+                format!("CUDA_VISIBLE_DEVICES={v:?} hides every GPU from this process")
+            }
+            Some(v) => format!("no GPU is visible under CUDA_VISIBLE_DEVICES={v:?}"),
             None => "the driver sees no GPU".to_string(),
         },
         Probe::Gpus(_) => String::new(),
@@ -365,6 +368,18 @@ mod tests {
             plan(&c, &env(None, &[]), &machine(&[0, 1])),
             Err(DeviceError::MainOutOfRange { .. })
         ));
+    }
+
+    #[test]
+    fn an_empty_visible_list_explains_the_cpu_fallback() {
+        let (p, _) = plan(&cfg(), &env(Some(""), &[]), &machine(&[])).unwrap();
+        let DevicePlan::Cpu { reason } = p else {
+            panic!("expected the CPU")
+        };
+        assert_eq!(
+            reason,
+            "CUDA_VISIBLE_DEVICES=\"\" hides every GPU from this process"
+        );
     }
 
     #[test]

@@ -45,6 +45,11 @@ pub fn probe() -> Probe {
         return Probe::NoDriver("the CUDA driver library (libcuda.so) was not found".into());
     }
     if let Err(e) = result::init() {
+        // What the driver answers when CUDA_VISIBLE_DEVICES leaves no GPU visible: the
+        // driver works, it shows this process nothing (the plan says why).
+        if e.0 == sys::cudaError_enum::CUDA_ERROR_NO_DEVICE {
+            return Probe::Gpus(Vec::new());
+        }
         return Probe::NoDriver(format!("cuInit failed: {e}"));
     }
     let count = match result::device::get_count() {

@@ -108,7 +108,13 @@ pub fn choose(
                         .sum();
                     (link, free, set)
                 })
-                .max_by(|a, b| a.0.cmp(&b.0).then(a.1.cmp(&b.1)))
+                // Ties go to the lowest indices, as with CUDA's own order.
+                .max_by(|a, b| {
+                    let ordinals = |s: &[&GpuInfo]| s.iter().map(|g| g.ordinal).collect::<Vec<_>>();
+                    a.0.cmp(&b.0)
+                        .then(a.1.cmp(&b.1))
+                        .then_with(|| ordinals(&b.2).cmp(&ordinals(&a.2)))
+                })
                 .expect("count <= candidates, so at least one subset exists");
             let (link, free, set) = best;
             let mut ordinals: Vec<usize> = set.iter().map(|g| g.ordinal).collect();
@@ -293,6 +299,16 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("4 GPU(s) needed, 3 qualify"), "{e}");
+    }
+
+    #[test]
+    fn auto_breaks_ties_towards_the_lowest_index() {
+        // Two idle H200s report the same free memory (seen on the two-GPU machine).
+        let g = vec![gpu(0, 1, 143_152), gpu(1, 0, 143_152), gpu(2, 2, 143_152)];
+        let one = choose(&Selection::Auto, 1, 0, &g, None, None).unwrap();
+        assert_eq!(one.ordinals, vec![0]);
+        let two = choose(&Selection::Auto, 2, 0, &g, None, None).unwrap();
+        assert_eq!(two.ordinals, vec![0, 1]);
     }
 
     #[test]
