@@ -20,10 +20,13 @@ pub struct Summary {
     /// first epoch of each process when there are later ones (it includes compilation).
     pub img_per_s: Option<f64>,
     pub first_step_s: Vec<f64>,
-    /// Time spent writing checkpoints, and its share of `wall_time_s`.
+    /// Time training waited for checkpoints (copying them to host memory, or for the
+    /// previous one to reach the disk), and its share of `wall_time_s`.
     pub checkpoint_s: f64,
     pub checkpoint_share: f64,
     pub checkpoints_written: u64,
+    /// Time the background writer spent putting them on disk, beside training.
+    pub checkpoint_write_s: f64,
     pub config_sha256: String,
     pub devices: Vec<String>,
     pub model: String,
@@ -57,6 +60,7 @@ impl Summary {
                 0.0
             },
             checkpoints_written: state.checkpoints_written,
+            checkpoint_write_s: state.checkpoint_write_s,
             config_sha256: state.config_sha256.clone(),
             devices: state.devices.clone(),
             model: format!("{:?} ({:?} stem)", state.spec.arch, state.spec.stem).to_lowercase(),

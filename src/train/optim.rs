@@ -57,16 +57,8 @@ impl<M: AutodiffModule<B>, B: AutodiffBackend> Optim<M, B> {
         }
     }
 
-    /// Writes `stem.bin`.
-    pub fn save(&self, stem: &Path) -> Result<(), RecorderError> {
-        let rec = BinFileRecorder::<FullPrecisionSettings>::new();
-        match self {
-            Optim::Sgd(o) => Recorder::<B>::record(&rec, o.to_record(), stem.to_path_buf()),
-            Optim::AdamW(o) => Recorder::<B>::record(&rec, o.to_record(), stem.to_path_buf()),
-        }
-    }
-
-    /// The state, serialised (for a replica on another device).
+    /// The state, serialised (for a checkpoint, or a replica on another device); the
+    /// bytes are what `BinFileRecorder` writes, so [`Self::load`] reads them from a file.
     pub fn to_bytes(&self) -> Result<Vec<u8>, RecorderError> {
         let rec = BinBytesRecorder::<FullPrecisionSettings>::new();
         match self {

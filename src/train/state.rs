@@ -52,6 +52,10 @@ pub struct TrainState {
     pub checkpoint_s: f64,
     #[serde(default)]
     pub checkpoints_written: u64,
+    /// Time the background writer spent putting checkpoints on disk (beside training),
+    /// over all processes, up to the one before this.
+    #[serde(default)]
+    pub checkpoint_write_s: f64,
 }
 
 impl TrainState {
@@ -72,6 +76,7 @@ impl TrainState {
             config_sha256: String::new(),
             checkpoint_s: 0.0,
             checkpoints_written: 0,
+            checkpoint_write_s: 0.0,
         }
     }
 

@@ -11,7 +11,7 @@ use burn::module::AutodiffModule;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 
 use super::backend::BackendJob;
-use super::checkpoint::{self, CheckpointError, Store};
+use super::checkpoint::{self, CheckpointError, Snapshot, Store, Writer};
 use super::optim::Optim;
 use super::parallel::{ReplicaError, Replicas, act_out, balance_report};
 use super::schedule::{Horizon, lr_at};
@@ -87,15 +87,20 @@ impl BackendJob for TrainJob {
 struct Run<'a> {
     job: &'a TrainJob,
     store: Store,
+    writer: Writer,
     progress: Progress,
     started: Instant,
     /// `elapsed_s` of the state when this process started.
     elapsed_before: f64,
+    /// `checkpoint_write_s` of the state when this process started.
+    write_s_before: f64,
 }
 
 impl Run<'_> {
+    /// Copies the checkpoint to host memory and hands it to the writer thread;
+    /// `checkpoint_s` counts only the time training waits for that.
     fn save<B: AutodiffBackend>(
-        &self,
+        &mut self,
         state: &mut TrainState,
         model: &ResNet<B>,
         optim: &Optim<ResNet<B>, B>,
@@ -103,14 +108,21 @@ impl Run<'_> {
     ) -> Result<(), TrainError> {
         let t = Instant::now();
         state.elapsed_s = self.elapsed_before + self.started.elapsed().as_secs_f64();
-        self.store.save(state.step, test_acc, |dir| {
-            checkpoint::write(dir, model, optim, state)
-        })?;
-        let c = &self.job.config.checkpoint;
-        self.store.prune(c.keep_last, c.keep_best)?;
-        // Counted from the next checkpoint on: this one is already written.
+        state.checkpoint_write_s = self.write_s_before + self.writer.written_s();
+        let snap = Snapshot::take(model, optim, state, test_acc)?;
+        self.writer.submit(snap)?;
+        // Counted from the next checkpoint on: this one is already taken.
         state.checkpoint_s += t.elapsed().as_secs_f64();
         state.checkpoints_written += 1;
+        Ok(())
+    }
+
+    /// Waits until every checkpoint handed over is on disk; before a run reports its end.
+    fn flush(&mut self, state: &mut TrainState) -> Result<(), TrainError> {
+        let t = Instant::now();
+        self.writer.wait()?;
+        state.checkpoint_s += t.elapsed().as_secs_f64();
+        state.checkpoint_write_s = self.write_s_before + self.writer.written_s();
         Ok(())
     }
 
@@ -169,12 +181,19 @@ pub fn fit<B: AutodiffBackend>(
     let mut optim = Optim::<ResNet<B>, B>::new(&cfg.optim);
     let mut state = TrainState::new(spec, job.dataset.classes.clone(), job.devices.clone());
     state.config_sha256 = cfg.training_hash();
+    let store = Store::new(&job.run_dir);
     let mut run = Run {
         job: &job,
-        store: Store::new(&job.run_dir),
+        writer: Writer::start(
+            store.clone(),
+            cfg.checkpoint.keep_last,
+            cfg.checkpoint.keep_best,
+        ),
+        store,
         progress: Progress::new(cfg.train.log_every_steps, cfg.train.epochs),
         started: Instant::now(),
         elapsed_before: 0.0,
+        write_s_before: 0.0,
     };
     if job.resume {
         let mut skipped = Vec::new();
@@ -208,6 +227,7 @@ pub fn fit<B: AutodiffBackend>(
             ..saved
         };
         run.elapsed_before = state.elapsed_s;
+        run.write_s_before = state.checkpoint_write_s;
         run.progress.println(&format!(
             "kiln: resuming from {} (epoch {}, batch {}, step {})",
             dir.display(),
@@ -298,6 +318,8 @@ pub fn fit<B: AutodiffBackend>(
                 }
             };
             watchdog.step_finished();
+            // A checkpoint that failed on disk stops training now, not at the next one.
+            run.writer.poll()?;
             model = m;
             window.1 += s.images;
             let step_sums = s;
@@ -338,6 +360,7 @@ pub fn fit<B: AutodiffBackend>(
             if job.interrupt.load(Ordering::Relaxed) {
                 model = synced(&mut replicas, model, state.step, &job.run_dir)?;
                 run.save(&mut state, &model, &optim, None)?;
+                run.flush(&mut state)?;
                 run.write_reports(&state, "interrupted")?;
                 run.progress.finish();
                 return Ok((Outcome::Interrupted, state));
@@ -415,6 +438,7 @@ pub fn fit<B: AutodiffBackend>(
         )?;
         run.write_reports(&state, "running")?;
     }
+    run.flush(&mut state)?;
     run.progress.finish();
     state.elapsed_s = run.elapsed_before + run.started.elapsed().as_secs_f64();
     let status = match outcome {

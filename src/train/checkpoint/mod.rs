@@ -1,17 +1,21 @@
 //! Full training checkpoints: model weights (full precision), optimizer state and the
 //! [`TrainState`], committed atomically by [`Store`]. Mechanism in `store.rs`,
-//! retention policy in `retention.rs`.
+//! retention policy in `retention.rs`, writing in the background in `writer.rs`.
 
 mod retention;
 mod store;
+mod writer;
 
 use std::path::{Path, PathBuf};
 
 use burn::module::Module;
-use burn::record::{BinFileRecorder, FullPrecisionSettings, RecorderError};
+use burn::record::{
+    BinBytesRecorder, BinFileRecorder, FullPrecisionSettings, Recorder, RecorderError,
+};
 use burn::tensor::backend::AutodiffBackend;
 
 pub use store::Store;
+pub use writer::Writer;
 
 use super::optim::Optim;
 use super::state::TrainState;
@@ -42,32 +46,48 @@ fn record_err(path: &Path) -> impl FnOnce(RecorderError) -> CheckpointError + '_
     }
 }
 
-/// Writes weights, optimizer and state into `dir` (the store's temporary directory).
-pub fn write<B: AutodiffBackend>(
-    dir: &Path,
-    model: &ResNet<B>,
-    optim: &Optim<ResNet<B>, B>,
-    state: &TrainState,
-) -> Result<(), CheckpointError> {
-    let model_stem = dir.join("model");
-    model
-        .clone()
-        .save_file(
-            model_stem.clone(),
-            &BinFileRecorder::<FullPrecisionSettings>::new(),
-        )
-        .map_err(record_err(&model_stem))?;
-    let optim_stem = dir.join("optim");
-    optim.save(&optim_stem).map_err(record_err(&optim_stem))?;
-    let state_path = dir.join("state.json");
-    std::fs::write(
-        &state_path,
-        serde_json::to_string_pretty(state).expect("state serializes"),
-    )
-    .map_err(|source| CheckpointError::Io {
-        path: state_path.clone(),
-        source,
-    })
+/// A checkpoint's files in host memory, taken at one step; [`Writer`] puts them on disk.
+pub struct Snapshot {
+    pub step: u64,
+    pub test_acc: Option<f64>,
+    files: Vec<(&'static str, Vec<u8>)>,
+}
+
+impl Snapshot {
+    /// Weights, optimizer and state as they are now. The bytes are those
+    /// `BinFileRecorder` writes, so [`read_tensors`] reads them back.
+    pub fn take<B: AutodiffBackend>(
+        model: &ResNet<B>,
+        optim: &Optim<ResNet<B>, B>,
+        state: &TrainState,
+        test_acc: Option<f64>,
+    ) -> Result<Self, CheckpointError> {
+        let rec = BinBytesRecorder::<FullPrecisionSettings>::new();
+        let model_bytes = Recorder::<B>::record(&rec, model.clone().into_record(), ())
+            .map_err(record_err(Path::new("model.bin")))?;
+        let optim_bytes = optim
+            .to_bytes()
+            .map_err(record_err(Path::new("optim.bin")))?;
+        let state_json = serde_json::to_string_pretty(state).expect("state serializes");
+        Ok(Snapshot {
+            step: state.step,
+            test_acc,
+            files: vec![
+                ("model.bin", model_bytes),
+                ("optim.bin", optim_bytes),
+                ("state.json", state_json.into_bytes()),
+            ],
+        })
+    }
+
+    /// Writes the files into `dir` (the store's temporary directory).
+    fn write(&self, dir: &Path) -> Result<(), CheckpointError> {
+        for (name, bytes) in &self.files {
+            let path = dir.join(name);
+            std::fs::write(&path, bytes).map_err(|source| CheckpointError::Io { path, source })?;
+        }
+        Ok(())
+    }
 }
 
 /// Reads the state of a verified checkpoint directory.

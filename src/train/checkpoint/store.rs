@@ -29,6 +29,7 @@ pub struct Manifest {
     pub files: Vec<FileEntry>,
 }
 
+#[derive(Debug, Clone)]
 pub struct Store {
     root: PathBuf,
 }
