@@ -75,6 +75,8 @@ for mib in 4 16 64; do
   bench r18-2dp-b$mib "${R18[@]}" --devices 0,1 --set train.transfer_bucket_mib=$mib
 done
 torch r18-2 2 "${R18[@]}"
+# Issue 10: activation recomputation, memory and speed beside the plain run.
+bench r18-1-recompute "${R18[@]}" --devices 0 --set train.gradient_checkpointing=true
 
 # Phase 3, the device layer (issue 9): `kiln devices` and a one-epoch training on
 # 12,800 images under each visible-device setting; runs that fall back to the CPU stop

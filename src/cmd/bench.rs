@@ -6,7 +6,7 @@ use crate::cli::BenchArgs;
 use crate::config::{self, Config};
 use crate::device::{DevicePlan, memory_in_use_mib};
 use crate::train::BenchJob;
-use crate::train::backend::with_backend;
+use crate::train::backend::with_training_backend;
 
 /// The built-in bench config: synthetic images, SGD with momentum, one device.
 const BASE: &str = r#"
@@ -56,9 +56,10 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     config.data.synthetic_train_size = args.batch * devices;
     let dataset = crate::data::open(&config.data, config.train.seed)?;
     let kernels = super::kernel_settings(&config);
-    let report = with_backend(
+    let report = with_training_backend(
         &plan,
         &kernels,
+        config.train.gradient_checkpointing,
         BenchJob {
             config: config.clone(),
             device_names: plan.device_names(),

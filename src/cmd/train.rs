@@ -12,7 +12,7 @@ use crate::config::{self, Config};
 use crate::device::{DevicePlan, UsageMonitor};
 use crate::exit::{INTERRUPTED, UsageError};
 use crate::run::failure::{UsedDevice, write_devices};
-use crate::train::backend::with_backend;
+use crate::train::backend::with_training_backend;
 use crate::train::{Outcome, TrainJob};
 
 /// Keys whose change would make a resumed run a different run (other network, other
@@ -125,7 +125,8 @@ fn train_here(args: TrainArgs) -> anyhow::Result<ExitCode> {
             DevicePlan::Cpu { .. } => None,
         },
     };
-    let (outcome, state) = with_backend(&plan, &kernels, job)?;
+    let recompute = job.config.train.gradient_checkpointing;
+    let (outcome, state) = with_training_backend(&plan, &kernels, recompute, job)?;
     let best = state
         .best()
         .map(|(acc, epoch)| format!(", best {:.2}% at epoch {epoch}", acc * 100.0))

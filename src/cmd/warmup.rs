@@ -7,7 +7,7 @@ use crate::config;
 use crate::device::DevicePlan;
 use crate::report::Ticker;
 use crate::train::WarmupJob;
-use crate::train::backend::with_backend;
+use crate::train::backend::with_training_backend;
 
 pub fn run(args: WarmupArgs) -> anyhow::Result<ExitCode> {
     let mut sets = args.sets.clone();
@@ -26,9 +26,10 @@ pub fn run(args: WarmupArgs) -> anyhow::Result<ExitCode> {
         "warmup: compiling kernels and autotuning".into(),
         kernels.cache_dir.clone(),
     );
-    let report = with_backend(
+    let report = with_training_backend(
         &plan,
         &kernels,
+        config.train.gradient_checkpointing,
         WarmupJob {
             config: config.clone(),
             dataset,

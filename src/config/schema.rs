@@ -244,6 +244,9 @@ pub struct TrainConfig {
     pub precision: Precision,
     /// `dp` or `ddp` (see `Strategy`); only with several devices.
     pub strategy: Strategy,
+    /// Recompute memory-bound activations in the backward pass instead of keeping them
+    /// (Burn's balanced checkpointing).
+    pub gradient_checkpointing: bool,
     /// With several devices: consecutive weights or gradients of up to this many MiB
     /// cross between host and device in one transfer; 0: one transfer per tensor.
     pub transfer_bucket_mib: u64,
@@ -269,6 +272,7 @@ impl Default for TrainConfig {
             device_weights: Vec::new(),
             precision: Precision::Fp32,
             strategy: Strategy::Dp,
+            gradient_checkpointing: false,
             transfer_bucket_mib: 0,
             sync_batchnorm: false,
         }

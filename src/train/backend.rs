@@ -1,10 +1,15 @@
 //! The only module that names concrete backends. Every command that does tensor work
 //! goes through [`with_backend`], so the generic stack is instantiated once per
-//! compiled backend: `Autodiff<Cuda>` and `Autodiff<Flex>` (the CPU).
+//! compiled backend: `Autodiff<Cuda>` and `Autodiff<Flex>` (the CPU); training work
+//! goes through [`with_training_backend`], which adds both with Burn's
+//! `BalancedCheckpointing` for `train.gradient_checkpointing`.
 
 use std::path::PathBuf;
 
 use burn::backend::Autodiff;
+use burn::backend::autodiff::checkpoint::strategy::{
+    BalancedCheckpointing, CheckpointStrategy, NoCheckpointing,
+};
 use burn::backend::flex::{Flex, FlexDevice};
 use burn::tensor::backend::AutodiffBackend;
 
@@ -31,9 +36,34 @@ pub fn with_backend<J: BackendJob>(
     kernels: &KernelSettings,
     job: J,
 ) -> J::Output {
+    run_with::<J, NoCheckpointing>(plan, kernels, job)
+}
+
+/// [`with_backend`] for jobs that train: `recompute` (`train.gradient_checkpointing`)
+/// makes the autodiff graph keep only the outputs of compute-bound operations
+/// (convolutions, matmuls) and recompute the memory-bound ones (BatchNorm's arithmetic,
+/// ReLU, additions) during the backward pass, trading time for activation memory.
+pub fn with_training_backend<J: BackendJob>(
+    plan: &DevicePlan,
+    kernels: &KernelSettings,
+    recompute: bool,
+    job: J,
+) -> J::Output {
+    if recompute {
+        run_with::<J, BalancedCheckpointing>(plan, kernels, job)
+    } else {
+        with_backend(plan, kernels, job)
+    }
+}
+
+fn run_with<J: BackendJob, C: CheckpointStrategy>(
+    plan: &DevicePlan,
+    kernels: &KernelSettings,
+    job: J,
+) -> J::Output {
     match plan {
-        DevicePlan::Cuda { gpus, .. } => cuda::run(gpus, kernels, job),
-        DevicePlan::Cpu { .. } => job.run::<Autodiff<Flex>>(vec![FlexDevice]),
+        DevicePlan::Cuda { gpus, .. } => cuda::run::<J, C>(gpus, kernels, job),
+        DevicePlan::Cpu { .. } => job.run::<Autodiff<Flex, C>>(vec![FlexDevice]),
     }
 }
 
@@ -42,6 +72,7 @@ mod cuda {
     use std::sync::Once;
 
     use burn::backend::Autodiff;
+    use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
     use burn::backend::cuda::{Cuda, CudaDevice};
     use burn::cubecl::config::autotune::AutotuneLevel;
     use burn::cubecl::config::cache::CacheConfig;
@@ -51,9 +82,13 @@ mod cuda {
     use crate::config::Autotune;
     use crate::device::GpuInfo;
 
-    pub fn run<J: BackendJob>(gpus: &[GpuInfo], kernels: &KernelSettings, job: J) -> J::Output {
+    pub fn run<J: BackendJob, C: CheckpointStrategy>(
+        gpus: &[GpuInfo],
+        kernels: &KernelSettings,
+        job: J,
+    ) -> J::Output {
         configure(kernels);
-        job.run::<Autodiff<Cuda>>(gpus.iter().map(|g| CudaDevice::new(g.ordinal)).collect())
+        job.run::<Autodiff<Cuda, C>>(gpus.iter().map(|g| CudaDevice::new(g.ordinal)).collect())
     }
 
     /// Points cubecl's compiled-kernel and autotune caches at `dir` before the first
@@ -81,10 +116,77 @@ mod cuda {
 
 #[cfg(not(feature = "cuda"))]
 mod cuda {
-    use super::{BackendJob, KernelSettings};
+    use super::{BackendJob, CheckpointStrategy, KernelSettings};
     use crate::device::GpuInfo;
 
-    pub fn run<J: BackendJob>(_: &[GpuInfo], _: &KernelSettings, _: J) -> J::Output {
+    pub fn run<J: BackendJob, C: CheckpointStrategy>(
+        _: &[GpuInfo],
+        _: &KernelSettings,
+        _: J,
+    ) -> J::Output {
         unreachable!("device::plan never picks CUDA in a build without the `cuda` feature")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::module::{Module, ModuleVisitor, Param};
+    use burn::tensor::Tensor;
+    use burn::tensor::backend::Backend;
+
+    use super::*;
+    use crate::config::{Arch, Config, DatasetKind, Stem};
+    use crate::data::Batch;
+    use crate::model::{ModelSpec, ResNet};
+    use crate::test_util::rng_lock;
+    use crate::train::optim::Optim;
+    use crate::train::step::train_step;
+
+    fn params<B: Backend, M: Module<B>>(m: &M) -> Vec<f32> {
+        struct Collect(Vec<f32>);
+        impl<B: Backend> ModuleVisitor<B> for Collect {
+            fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
+                self.0
+                    .extend(p.val().into_data().to_vec::<f32>().expect("f32 tensors"));
+            }
+        }
+        let mut c = Collect(Vec::new());
+        m.visit(&mut c);
+        c.0
+    }
+
+    /// Parameters and BatchNorm statistics after three SGD steps of the tiny ResNet.
+    fn trained<B: AutodiffBackend<Device = FlexDevice>>(batches: &[Batch]) -> Vec<f32> {
+        let cfg = Config::default();
+        B::seed(&FlexDevice, 3);
+        let mut model: ResNet<B> =
+            ModelSpec::new(Arch::Tiny, Stem::Small, 3, 3, 8).init(&FlexDevice);
+        let mut optim = Optim::new(&cfg.optim);
+        for b in batches {
+            model = train_step(model, &mut optim, b.clone(), 0.1, &cfg.train, &FlexDevice).0;
+        }
+        params::<B, _>(&model)
+    }
+
+    #[test]
+    fn recomputing_activations_gives_the_same_training() {
+        let _rng = rng_lock();
+        let mut cfg = Config::default();
+        cfg.data.dataset = DatasetKind::Synthetic;
+        cfg.data.image_size = 8;
+        cfg.data.synthetic_classes = 3;
+        cfg.data.synthetic_train_size = 24;
+        let data = crate::data::open(&cfg.data, 0).unwrap();
+        let (train, _) = data.loaders(&cfg.data, 8, 0);
+        let batches: Vec<Batch> = train.epoch(0, 0).map(Result::unwrap).collect();
+        let kept = trained::<Autodiff<Flex>>(&batches);
+        let recomputed = trained::<Autodiff<Flex, BalancedCheckpointing>>(&batches);
+        assert_eq!(kept.len(), recomputed.len());
+        let diff = kept
+            .iter()
+            .zip(&recomputed)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        assert!(diff < 1e-5, "parameters differ by {diff}");
     }
 }

@@ -618,3 +618,20 @@ fn warmup_on_the_cpu_says_there_is_nothing_to_compile() {
         .code(2)
         .stderr_has("train.epochs");
 }
+
+#[test]
+fn gradient_checkpointing_trains_to_the_same_result() {
+    let plain = tempdir("recompute-plain");
+    train(&plain, &[]).success();
+    let recompute = tempdir("recompute-on");
+    train(&recompute, &["train.gradient_checkpointing=true"]).success();
+    let (a, b) = (summary(&run_dir(&plain)), summary(&run_dir(&recompute)));
+    let loss = |s: &serde_json::Value| s["final_test_loss"].as_f64().unwrap();
+    assert!(
+        (loss(&a) - loss(&b)).abs() < 1e-4,
+        "{} vs {}",
+        loss(&a),
+        loss(&b)
+    );
+    assert_eq!(a["final_test_acc"], b["final_test_acc"]);
+}
