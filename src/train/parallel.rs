@@ -93,6 +93,9 @@ struct Job<M> {
     shard: Batch,
     weight: f64,
     label_smoothing: f64,
+    /// Read the gradients back to host memory (every worker but the main device's;
+    /// all of them for `ddp`, whose sum is made on the host).
+    to_host: bool,
     /// An injected fault this job must act out (`[faults]`).
     fault: Option<FaultKind>,
 }
@@ -291,6 +294,10 @@ impl<B: AutodiffBackend, M: Classifier<B> + AutodiffModule<B> + 'static> Replica
         fault: Option<(usize, FaultKind)>,
     ) -> Result<(M, Sums<B::InnerBackend>), ReplicaError> {
         let total = batch.labels.len() as f64;
+        // `ddp` all-reduces through host memory: every replica reads its gradients back
+        // at once, the host sums them, every replica uploads the sum at once; two copies
+        // on the critical path instead of four for a sum made on the main device.
+        let host_sum = self.strategy == Strategy::Ddp && self.workers.len() > 1;
         self.prepare(&model, optim, step)?;
         // Kept in device order and summed in that order, whatever order the replies
         // come in: float addition is not associative, and runs must repeat exactly.
@@ -308,6 +315,7 @@ impl<B: AutodiffBackend, M: Classifier<B> + AutodiffModule<B> + 'static> Replica
                     weight: shard.labels.len() as f64 / total,
                     shard,
                     label_smoothing: cfg.label_smoothing,
+                    to_host: i > 0 || host_sum,
                     fault: fault.filter(|(p, _)| *p == i).map(|(_, k)| k),
                 };
                 self.load[i].images += sizes[i];
@@ -359,31 +367,46 @@ impl<B: AutodiffBackend, M: Classifier<B> + AutodiffModule<B> + 'static> Replica
         for l in &mut self.load {
             l.steps += 1;
         }
-        let mut parts: Vec<Summand<B>> = parts
-            .into_iter()
-            .map(|g| match g {
-                Grads::Local(g) => Summand::Local(g),
-                Grads::Host(h) => Summand::Uploaded(h.upload(&self.main)),
-            })
-            .collect();
-        let mut sum = SumGrads::<B> {
-            parts: &mut parts,
-            out: GradientsParams::new(),
-        };
-        model.visit(&mut sum);
-        let grads = sum.out;
-        if self.strategy == Strategy::Ddp && self.workers.len() > 1 {
-            // The other replicas step as soon as the sum exists, beside the main one.
-            let host = HostGrads::copy(&grads, &model, self.buckets);
+        let grads = if host_sum {
+            let host: Vec<HostGrads> = parts
+                .into_iter()
+                .filter_map(|g| match g {
+                    Grads::Host(h) => Some(h),
+                    Grads::Local(_) => None,
+                })
+                .collect();
+            let sum = HostGrads::sum(&host).ok_or_else(|| {
+                self.failed(
+                    0,
+                    step,
+                    "the replicas returned gradients of different parameters".into(),
+                )
+            })?;
+            // The other replicas upload the sum and step beside the main one.
             for i in 1..self.workers.len() {
                 let update = Msg::Update {
-                    grads: host.clone(),
+                    grads: sum.clone(),
                     lr,
                     clip: cfg.grad_clip_norm,
                 };
                 self.send(i, update, step)?;
             }
-        }
+            sum.into_params(&model, &self.main)
+        } else {
+            let mut parts: Vec<Summand<B>> = parts
+                .into_iter()
+                .map(|g| match g {
+                    Grads::Local(g) => Summand::Local(g),
+                    Grads::Host(h) => Summand::Uploaded(h.upload(&self.main)),
+                })
+                .collect();
+            let mut sum = SumGrads::<B> {
+                parts: &mut parts,
+                out: GradientsParams::new(),
+            };
+            model.visit(&mut sum);
+            sum.out
+        };
         let sums = sums.expect("every step has at least one shard");
         Ok((apply(model, optim, grads, lr, cfg), sums))
     }
@@ -621,16 +644,15 @@ fn run_job<B: AutodiffBackend, M: Classifier<B> + AutodiffModule<B>>(
         },
     );
     let (grads, sums) = forward_backward(&model, shard, device, job.weight, job.label_smoothing);
-    let out = if remote {
-        // Reading back finishes this device's work here, so its time is measured and
-        // errors surface on this thread, naming this device.
-        (
-            Grads::Host(HostGrads::read(grads, &model, buckets)),
-            sums.via_host(main),
-        )
+    // Reading back finishes this device's work here, so its time is measured and
+    // errors surface on this thread, naming this device.
+    let grads = if job.to_host {
+        Grads::Host(HostGrads::read(grads, &model, buckets))
     } else {
-        (Grads::Local(grads), sums)
+        Grads::Local(grads)
     };
+    let sums = if remote { sums.via_host(main) } else { sums };
+    let out = (grads, sums);
     B::sync(device).map_err(|e| format!("{e:?}"))?;
     Ok(out)
 }

@@ -252,16 +252,7 @@ impl HostGrads {
         model: &M,
         buckets: Buckets,
     ) -> Self {
-        collect::<B, M>(model, Source::Take(&mut grads), buckets)
-    }
-
-    /// A host copy of `grads`, which stay where they are.
-    pub fn copy<B: AutodiffBackend, M: AutodiffModule<B>>(
-        grads: &GradientsParams,
-        model: &M,
-        buckets: Buckets,
-    ) -> Self {
-        collect::<B, M>(model, Source::Copy(grads), buckets)
+        collect::<B, M>(model, &mut grads, buckets)
     }
 
     /// Uploads all gradients to `device`, one bucket at a time.
@@ -299,31 +290,52 @@ impl HostGrads {
     }
 }
 
-/// Where [`collect`] finds the gradients.
-enum Source<'a> {
-    Take(&'a mut GradientsParams),
-    Copy(&'a GradientsParams),
+impl HostGrads {
+    /// The element-wise sum of several replicas' gradients, in the order given (float
+    /// addition is not associative: the same order gives the same numbers every run).
+    /// `None` when they are not gradients of the same parameters in the same buckets.
+    pub fn sum(parts: &[HostGrads]) -> Option<HostGrads> {
+        let (first, rest) = parts.split_first()?;
+        if rest
+            .iter()
+            .any(|p| p.index != first.index || p.flat.0.len() != first.flat.0.len())
+        {
+            return None;
+        }
+        let mut buckets = Vec::with_capacity(first.flat.0.len());
+        for (b, data) in first.flat.0.iter().enumerate() {
+            let mut acc = data.to_vec::<f32>().ok()?;
+            for p in rest {
+                let other = p.flat.0[b].as_slice::<f32>().ok()?;
+                if other.len() != acc.len() {
+                    return None;
+                }
+                acc.iter_mut().zip(other).for_each(|(a, x)| *a += x);
+            }
+            buckets.push(TensorData::new(acc, data.shape.clone()));
+        }
+        Some(HostGrads {
+            flat: Flat(buckets),
+            index: first.index.clone(),
+        })
+    }
 }
 
 /// The gradients of `model`'s parameters, flattened, concatenated per bucket in visiting
 /// order and read back one bucket at a time.
 fn collect<B: AutodiffBackend, M: AutodiffModule<B>>(
     model: &M,
-    source: Source,
+    source: &mut GradientsParams,
     buckets: Buckets,
 ) -> HostGrads {
     struct Col<'a, B: AutodiffBackend> {
-        source: Source<'a>,
+        source: &'a mut GradientsParams,
         pieces: Vec<Tensor<B::InnerBackend, 1>>,
         ids: Vec<ParamId>,
     }
     impl<B: AutodiffBackend> ModuleVisitor<B> for Col<'_, B> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            let g = match &mut self.source {
-                Source::Take(g) => g.remove::<B::InnerBackend, D>(param.id),
-                Source::Copy(g) => g.get::<B::InnerBackend, D>(param.id),
-            };
-            if let Some(g) = g {
+            if let Some(g) = self.source.remove::<B::InnerBackend, D>(param.id) {
                 let n = numel(&g.dims());
                 self.ids.push(param.id);
                 self.pieces.push(g.reshape([n]));
@@ -486,22 +498,40 @@ mod tests {
             burn::tensor::Distribution::Normal(0.0, 1.0),
             &device(),
         );
-        let grads = GradientsParams::from_grads(model.forward(x).sum().backward(), &model);
-        let whole = HostGrads::copy(&grads, &model, Buckets::mib(64));
+        let grads =
+            || GradientsParams::from_grads(model.forward(x.clone()).sum().backward(), &model);
+        let whole = HostGrads::read(grads(), &model, Buckets::mib(64));
         assert_eq!(whole.flat.0.len(), 1);
         for buckets in [
             Buckets::default(),
             Buckets { bytes: 4096 },
             Buckets::mib(64),
         ] {
-            let host = HostGrads::copy(&grads, &model, buckets);
+            let host = HostGrads::read(grads(), &model, buckets);
             let back = host.clone().into_params(&model, &device());
             assert!(!host.index.is_empty());
-            let again = HostGrads::copy(&back, &model, Buckets::mib(64));
+            let again = HostGrads::read(back, &model, Buckets::mib(64));
             assert_eq!(again.flat, whole.flat, "{buckets:?}");
             assert_eq!(again.index.len(), host.index.len());
+            // The sum over replicas, made on the host.
+            let twice = HostGrads::sum(&[host.clone(), host.clone()]).unwrap();
+            let twice = HostGrads::read(
+                twice.into_params(&model, &device()),
+                &model,
+                Buckets::mib(64),
+            );
+            let doubled: Vec<f32> = whole.flat.0[0]
+                .to_vec::<f32>()
+                .unwrap()
+                .iter()
+                .map(|v| v * 2.0)
+                .collect();
+            assert_eq!(twice.flat.0[0].to_vec::<f32>().unwrap(), doubled);
+            if buckets != Buckets::mib(64) {
+                assert!(HostGrads::sum(&[host, whole.clone()]).is_none());
+            }
         }
-        let per_tensor = HostGrads::read(grads, &model, Buckets::default());
+        let per_tensor = HostGrads::read(grads(), &model, Buckets::default());
         assert_eq!(per_tensor.flat.0.len(), per_tensor.index.len());
     }
 }
