@@ -4,12 +4,14 @@
 //! the CPU. A failing trial is recorded and the others go on.
 
 use std::fs::File;
+use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
 
 use super::spec::{SweepSpec, Trial};
@@ -183,6 +185,9 @@ pub fn run(plan: &Plan, trials: &[Trial]) -> std::io::Result<Vec<Outcome>> {
     }
     queue.reverse();
     let total = queue.len();
+    let bar = overall_bar(total);
+    // Lines go above the bar on a terminal, and plainly to stderr otherwise.
+    let say = |line: String| bar.suspend(|| eprintln!("{line}"));
     let mut running: Vec<Running> = Vec::new();
     let mut free: Vec<usize> = (0..plan.slots.len()).rev().collect();
     let mut last_status = Instant::now();
@@ -192,12 +197,12 @@ pub fn run(plan: &Plan, trials: &[Trial]) -> std::io::Result<Vec<Outcome>> {
             let slot = free.pop().expect("checked non-empty");
             let trial = queue.pop().expect("checked non-empty").clone();
             let child = start(plan, &trial, &plan.slots[slot])?;
-            eprintln!(
+            say(format!(
                 "kiln sweep: trial {} on {}: {}",
                 trial.index,
                 plan.slots[slot].label,
                 trial.label()
-            );
+            ));
             running.push(Running {
                 slot,
                 trial,
@@ -205,6 +210,12 @@ pub fn run(plan: &Plan, trials: &[Trial]) -> std::io::Result<Vec<Outcome>> {
                 started: Instant::now(),
             });
         }
+        bar.set_position(ended as u64);
+        bar.set_message(format!(
+            "{} running, {} waiting",
+            running.len(),
+            queue.len()
+        ));
         if running.is_empty() {
             break;
         }
@@ -233,13 +244,13 @@ pub fn run(plan: &Plan, trials: &[Trial]) -> std::io::Result<Vec<Outcome>> {
                 String::new()
             };
             let metric_value = sum.and_then(|s| s.1);
-            eprintln!(
+            say(format!(
                 "kiln sweep: trial {} {state} (exit {}) after {:.0} s{} [{ended}/{total}]",
                 r.trial.index,
                 code.map_or("by signal".into(), |c| c.to_string()),
                 r.started.elapsed().as_secs_f64(),
                 metric_value.map_or(String::new(), |m| format!(", {metric} {m:.4}")),
-            );
+            ));
             outcomes[r.trial.index] = Some(Outcome {
                 index: r.trial.index,
                 status: state.into(),
@@ -256,7 +267,7 @@ pub fn run(plan: &Plan, trials: &[Trial]) -> std::io::Result<Vec<Outcome>> {
             for r in &running {
                 let dir = trial_dir(plan.sweep_dir, r.trial.index);
                 let p = run_dir(&dir).and_then(|d| progress(&d));
-                eprintln!(
+                say(format!(
                     "kiln sweep:   trial {} on {}: {:.0} s{}",
                     r.trial.index,
                     plan.slots[r.slot].label,
@@ -264,15 +275,16 @@ pub fn run(plan: &Plan, trials: &[Trial]) -> std::io::Result<Vec<Outcome>> {
                     p.map_or(String::new(), |(e, acc)| format!(
                         ", epoch {e} done, test acc {acc}"
                     ))
-                );
+                ));
             }
-            eprintln!(
+            say(format!(
                 "kiln sweep: {ended}/{total} trials done, {} running, {} waiting",
                 running.len(),
                 queue.len()
-            );
+            ));
         }
     }
+    bar.finish_and_clear();
     Ok(outcomes
         .into_iter()
         .enumerate()
@@ -289,6 +301,21 @@ pub fn run(plan: &Plan, trials: &[Trial]) -> std::io::Result<Vec<Outcome>> {
             })
         })
         .collect())
+}
+
+/// The whole sweep's progress, drawn only when stderr is a terminal.
+fn overall_bar(trials: usize) -> ProgressBar {
+    if !std::io::stderr().is_terminal() {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::new(trials as u64);
+    bar.set_style(
+        ProgressStyle::with_template("sweep [{bar:30}] {pos}/{len} trials, {msg}, {elapsed}")
+            .expect("static template is valid")
+            .progress_chars("=> "),
+    );
+    bar.set_message("starting");
+    bar
 }
 
 fn start(plan: &Plan, trial: &Trial, slot: &Slot) -> std::io::Result<Child> {
