@@ -6,11 +6,11 @@ use crate::train::EpochRecord;
 
 pub fn write_metrics(path: &Path, history: &[EpochRecord]) -> std::io::Result<()> {
     let mut out = String::from(
-        "epoch,step,lr,train_loss,train_acc,test_loss,test_acc,img_per_s,epoch_time_s\n",
+        "epoch,step,lr,train_loss,train_acc,test_loss,test_acc,img_per_s,epoch_time_s,data_wait_s\n",
     );
     for r in history {
         out.push_str(&format!(
-            "{},{},{:.6e},{:.6},{:.6},{},{},{:.1},{:.3}\n",
+            "{},{},{:.6e},{:.6},{:.6},{},{},{:.1},{:.3},{:.3}\n",
             r.epoch,
             r.step,
             r.lr,
@@ -19,7 +19,8 @@ pub fn write_metrics(path: &Path, history: &[EpochRecord]) -> std::io::Result<()
             opt(r.test_loss),
             opt(r.test_acc),
             r.img_per_s,
-            r.epoch_time_s
+            r.epoch_time_s,
+            r.data_wait_s
         ));
     }
     super::write_atomic(path, out.as_bytes())

@@ -135,6 +135,7 @@ mod tests {
             },
             test_acc: if epoch == 2 { f64::NAN } else { acc - 0.05 },
             img_per_s: 100.0,
+            data_wait_s: 0.0,
             epoch_time_s: 1.0,
         };
         let path = dir.path().join("curves.png");

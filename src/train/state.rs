@@ -23,6 +23,10 @@ pub struct EpochRecord {
     /// Training images per second over the epoch (data loading included).
     pub img_per_s: f64,
     pub epoch_time_s: f64,
+    /// Time the training loop waited for the loader's next batch during the epoch: near
+    /// zero when loading keeps up, a large share when the devices wait for data.
+    #[serde(default)]
+    pub data_wait_s: f64,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -273,7 +273,12 @@ pub fn fit<B: AutodiffBackend>(
         let mut usage = UsageWindow::default();
         let mut window = (Instant::now(), 0usize);
         let mut lr = lr_at(&cfg.optim, horizon, state.step);
-        for batch in train.epoch(epoch as u64, first_batch as usize) {
+        let mut batches = train.epoch(epoch as u64, first_batch as usize);
+        let mut data_wait = 0.0;
+        loop {
+            let t_wait = Instant::now();
+            let Some(batch) = batches.next() else { break };
+            data_wait += t_wait.elapsed().as_secs_f64();
             let batch = batch?;
             lr = lr_at(&cfg.optim, horizon, state.step);
             let ticker = first_step_pending.then(|| {
@@ -415,6 +420,7 @@ pub fn fit<B: AutodiffBackend>(
             test_acc,
             img_per_s: images as f64 / train_time,
             epoch_time_s: epoch_start.elapsed().as_secs_f64(),
+            data_wait_s: data_wait,
         };
         run.progress.println(&epoch_line(&record, cfg.train.epochs));
         if let Some(r) = replicas.as_mut() {
@@ -633,13 +639,14 @@ fn epoch_line(r: &EpochRecord, epochs: u32) -> String {
         )
     };
     format!(
-        "epoch {}/{}: train loss {:.4} acc {:.2}%{test} | {:.0} img/s | {:.1} s | lr {:.4}",
+        "epoch {}/{}: train loss {:.4} acc {:.2}%{test} | {:.0} img/s | {:.1} s (waiting for data {:.0}%) | lr {:.4}",
         r.epoch,
         epochs,
         r.train_loss,
         r.train_acc * 100.0,
         r.img_per_s,
         r.epoch_time_s,
+        100.0 * r.data_wait_s / r.epoch_time_s.max(1e-9),
         r.lr
     )
 }
