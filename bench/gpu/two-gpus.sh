@@ -7,7 +7,11 @@
 # function of this script), a bare `wait` also waits for the background samplers, and
 # caches are filled once, before anything is timed.
 # Expects in .gpu/ (git-ignored): kiln.xz (stripped release binary, xz) and optionally
-# caches.tar.xz (kernel caches of an earlier run). Results go to /tmp/res.
+# caches.tar.xz (kernel caches of an earlier run) and cifar10-jpg.tar.gz (phase 7).
+# Results go to /tmp/res. PHASES picks the phases to run (default "1,2,3,4,5"):
+#   1 caches  2 ResNet-18 on 1 and 2 GPUs  3 device layer  4 default config on 2 GPUs,
+#   GPU failure, kill -9  5 sweeps  6 ResNet-50 on 1 and 2 GPUs  7 loading study
+#   8 the default config on one GPU (accuracy, checkpoint share)
 set -u
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 RES=/tmp/res; mkdir -p "$RES" /tmp/kc /tmp/runs
@@ -20,6 +24,7 @@ nvidia-smi topo -m > "$RES/topo.txt" 2>&1
 nvidia-smi --query-gpu=index,uuid,pci.bus_id --format=csv,noheader > "$RES/gpus.csv"
 UUID1=$(sed -n 2p "$RES/gpus.csv" | cut -d, -f2 | tr -d ' ')
 SET=(--set devices.cache_dir=$C)
+want() { [[ ",${PHASES:-1,2,3,4,5}," == *",$1,"* ]]; }
 FM=(--config configs/resnet.toml "${SET[@]}")
 
 # Which physical GPU holds each process, sampled once a second.
@@ -55,6 +60,7 @@ R18=(--model resnet18 --image-size 32 --batch 256 --steps 50 --warmup 10)
 
 # Phase 1, caches: the Fashion-MNIST kernels on GPU 0 while GPU 1 compiles the ResNet-18
 # bench (its first-step time is the cold figure) and runs PyTorch on one GPU.
+if want 1; then
 log "phase 1: caches"
 ( CUDA_VISIBLE_DEVICES=0 "$K" warmup "${FM[@]}" > "$RES/warmup-1gpu.log" 2>&1; log "warmup 1 gpu done ($?)" ) &
 ( export CUDA_VISIBLE_DEVICES=1
@@ -65,8 +71,10 @@ wait
 share_autotune
 timeout 400 "$K" warmup "${FM[@]}" --devices 0,1 > "$RES/warmup-2gpu.log" 2>&1
 log "warmup 2 gpus done ($?)"
+fi
 
 # Phase 2, data parallelism alone on the GPUs (issue 3).
+if want 2; then
 bench r18-1 "${R18[@]}" --devices 0
 bench r18-2dp "${R18[@]}" --devices 0,1
 bench r18-2ddp "${R18[@]}" --devices 0,1 --set train.strategy=ddp
@@ -77,6 +85,7 @@ done
 torch r18-2 2 "${R18[@]}"
 # Issue 10: activation recomputation, memory and speed beside the plain run.
 bench r18-1-recompute "${R18[@]}" --devices 0 --set train.gradient_checkpointing=true
+fi
 
 # Phase 3, the device layer (issue 9): `kiln devices` and a one-epoch training on
 # 12,800 images under each visible-device setting; runs that fall back to the CPU stop
@@ -98,6 +107,7 @@ demo() {  # name, then env assignments, then -- and extra args
   log "demo $name done"
 }
 CPU2=(--set train.max_steps=2 --set data.max_test_samples=512)
+if want 3; then
 demo unset
 demo cvd-1 CUDA_VISIBLE_DEVICES=1
 demo cvd-1-0 CUDA_VISIBLE_DEVICES=1,0
@@ -107,10 +117,12 @@ demo cvd-uuid CUDA_VISIBLE_DEVICES=${UUID1:0:10}
 demo cvd-empty CUDA_VISIBLE_DEVICES= -- "${CPU2[@]}"
 demo typo CUDA_VISBLE_DEVICES=1
 demo config-visible-1 -- --set devices.visible=1
+fi
 
 # Phase 4, side by side: the default config on both GPUs (issue 3), the same run with
 # GPU 1 made to fail at step 1000 (issue 4), and a kill -9 of a one-GPU run followed by
 # --resume (issue 4). Concurrent, so their wall times are not throughput figures.
+if want 4; then
 log "phase 4"
 watch_apps "$RES/apps-fault.csv" & W=$!
 ( timeout 1200 "$K" train "${FM[@]}" --devices 0,1 --output /tmp/runs/two > "$RES/fmnist-2gpu.log" 2>&1
@@ -133,6 +145,8 @@ for r in two fault k9; do
   ls -la /tmp/runs/$r/*/ /tmp/runs/$r/*/checkpoints > "$RES/$r-ls.txt" 2>&1
 done
 
+fi
+
 # Phase 5, issue 5: eight short trials, two at a time on separate GPUs, then one at a time.
 sweep() {  # name, max_parallel
   printf 'base = "%s/configs/resnet.toml"\nmax_parallel = %s\nset = ["train.epochs=2", "data.max_train_samples=20480", "devices.cache_dir=%s"]\n[grid]\n"optim.lr" = [0.05, 0.1, 0.2, 0.4]\n"optim.weight_decay" = [5e-4, 1e-3]\n' \
@@ -142,6 +156,39 @@ sweep() {  # name, max_parallel
   kill $w; cp /tmp/sweeps/$1-*/results.csv "$RES/$1-results.csv"
   log "sweep $1 done"
 }
-[ "${SWEEP:-1}" = 1 ] && { sweep sweep-2 2; sweep sweep-1 1; }
+want 5 && { sweep sweep-2 2; sweep sweep-1 1; }
+
+# Phase 6, ResNet-50 at 224 px (issue 3): compiled first on GPU 0, then timed.
+if want 6; then
+R50=(--model resnet50 --image-size 224 --batch 128 --steps 20 --warmup 5)
+bench r50-cold "${R50[@]}" --devices 0
+share_autotune
+bench r50-1 "${R50[@]}" --devices 0
+bench r50-2dp "${R50[@]}" --devices 0,1
+bench r50-2ddp "${R50[@]}" --devices 0,1 --set train.strategy=ddp
+CUDA_VISIBLE_DEVICES=0 torch r50-1 1 "${R50[@]}"
+torch r50-2 2 "${R50[@]}"
+fi
+
+# Phase 7, loading (issue 10): one CIFAR-10 JPEG epoch per loader thread count; the
+# epoch line says how long training waited for data.
+if want 7 && [ -f .gpu/cifar10-jpg.tar.gz ]; then
+mkdir -p /tmp/cifar && tar xzf .gpu/cifar10-jpg.tar.gz -C /tmp/cifar
+ROOT=$(dirname "$(find /tmp/cifar -type d -name train | head -1)")
+for n in 1 2 4 8 16; do
+  timeout 300 "$K" train --config configs/resnet-cifar10.toml "${SET[@]}" --devices 0 --output /tmp/runs/load-$n \
+    --set data.dataset=image_folder --set data.root="$ROOT" --set train.epochs=1 --set data.num_workers=$n \
+    > "$RES/load-$n.log" 2>&1
+  log "loading $n workers done ($?)"
+done
+fi
+
+# Phase 8, the default config on one GPU: accuracy reference and the checkpoint share at
+# the default interval with checkpoints written in the background (issue 4).
+if want 8; then
+timeout 600 "$K" train "${FM[@]}" --devices 0 --output /tmp/runs/one > "$RES/fmnist-1gpu.log" 2>&1
+cp /tmp/runs/one/*/summary.json "$RES/one-summary.json"; cp /tmp/runs/one/*/metrics.csv "$RES/one-metrics.csv"
+log "fmnist 1 gpu done"
+fi
 log "done"
 touch "$RES/DONE"
