@@ -294,28 +294,70 @@ impl HostGrads {
     /// The element-wise sum of several replicas' gradients, in the order given (float
     /// addition is not associative: the same order gives the same numbers every run).
     /// `None` when they are not gradients of the same parameters in the same buckets.
+    /// It is on the critical path of every `ddp` step, so a few threads share it.
     pub fn sum(parts: &[HostGrads]) -> Option<HostGrads> {
         let (first, rest) = parts.split_first()?;
-        if rest
+        if rest.iter().any(|p| p.index != first.index) {
+            return None;
+        }
+        let slices: Vec<Vec<&[f32]>> = parts
             .iter()
-            .any(|p| p.index != first.index || p.flat.0.len() != first.flat.0.len())
+            .map(|p| {
+                p.flat
+                    .0
+                    .iter()
+                    .map(|d| d.as_slice::<f32>().ok())
+                    .collect::<Option<Vec<_>>>()
+            })
+            .collect::<Option<_>>()?;
+        let lens: Vec<usize> = slices[0].iter().map(|s| s.len()).collect();
+        if slices
+            .iter()
+            .any(|p| p.len() != lens.len() || p.iter().zip(&lens).any(|(s, n)| s.len() != *n))
         {
             return None;
         }
-        let mut buckets = Vec::with_capacity(first.flat.0.len());
-        for (b, data) in first.flat.0.iter().enumerate() {
-            let mut acc = data.to_vec::<f32>().ok()?;
-            for p in rest {
-                let other = p.flat.0[b].as_slice::<f32>().ok()?;
-                if other.len() != acc.len() {
-                    return None;
-                }
-                acc.iter_mut().zip(other).for_each(|(a, x)| *a += x);
+        let mut out: Vec<Vec<f32>> = lens.iter().map(|&n| vec![0.0; n]).collect();
+        // Pieces of at most CHUNK elements: (destination, bucket, offset).
+        const CHUNK: usize = 1 << 18;
+        let mut pieces: Vec<(&mut [f32], usize, usize)> = Vec::new();
+        for (b, o) in out.iter_mut().enumerate() {
+            for (k, c) in o.chunks_mut(CHUNK).enumerate() {
+                pieces.push((c, b, k * CHUNK));
             }
-            buckets.push(TensorData::new(acc, data.shape.clone()));
         }
+        let threads = std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .clamp(1, 8)
+            .min(pieces.len().max(1));
+        let mut groups: Vec<Vec<(&mut [f32], usize, usize)>> =
+            (0..threads).map(|_| Vec::new()).collect();
+        for (i, p) in pieces.into_iter().enumerate() {
+            groups[i % threads].push(p);
+        }
+        let slices = &slices;
+        std::thread::scope(|s| {
+            for group in groups {
+                s.spawn(move || {
+                    for (dst, b, off) in group {
+                        let range = off..off + dst.len();
+                        dst.copy_from_slice(&slices[0][b][range.clone()]);
+                        for part in &slices[1..] {
+                            dst.iter_mut()
+                                .zip(&part[b][range.clone()])
+                                .for_each(|(d, x)| *d += x);
+                        }
+                    }
+                });
+            }
+        });
         Some(HostGrads {
-            flat: Flat(buckets),
+            flat: Flat(
+                out.into_iter()
+                    .zip(&first.flat.0)
+                    .map(|(v, d)| TensorData::new(v, d.shape.clone()))
+                    .collect(),
+            ),
             index: first.index.clone(),
         })
     }
@@ -463,6 +505,36 @@ mod tests {
             );
             assert_eq!(whole(&a), whole(&b), "{buckets:?}");
         }
+    }
+
+    #[test]
+    fn the_host_sum_of_large_buckets_adds_in_replica_order() {
+        // Larger than the pieces the threads take, and not a multiple of them.
+        let n = 600_001;
+        let part = |k: f32| HostGrads {
+            flat: Flat(vec![
+                TensorData::new(
+                    (0..n).map(|i| k * i as f32 + 0.1).collect::<Vec<f32>>(),
+                    [n],
+                ),
+                TensorData::new(vec![k; 3], [3]),
+            ]),
+            index: HashMap::new(),
+        };
+        let parts = [part(1.0), part(0.5), part(-0.25)];
+        let sum = HostGrads::sum(&parts).unwrap();
+        let big = sum.flat.0[0].to_vec::<f32>().unwrap();
+        for i in [0, 1, 262_143, 262_144, 524_288, n - 1] {
+            let x = i as f32;
+            let expected = (1.0 * x + 0.1) + (0.5 * x + 0.1) + (-0.25 * x + 0.1);
+            assert_eq!(big[i], expected, "element {i}");
+        }
+        assert_eq!(sum.flat.0[1].to_vec::<f32>().unwrap(), vec![1.25f32; 3]);
+        let short = HostGrads {
+            flat: Flat(vec![TensorData::new(vec![0.0f32; n], [n])]),
+            index: HashMap::new(),
+        };
+        assert!(HostGrads::sum(&[part(1.0), short]).is_none());
     }
 
     #[test]
