@@ -103,6 +103,17 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
                 b.upload_ms, b.forward_ms, b.backward_ms, b.optimizer_ms, b.total_ms
             );
         }
+        if !report.device_busy_ms.is_empty() {
+            let busy: Vec<String> = report
+                .device_busy_ms
+                .iter()
+                .map(|ms| format!("{ms:.2}"))
+                .collect();
+            println!(
+                "  busy per device   {} ms per step (the rest: the main thread's serial part)",
+                busy.join(" | ")
+            );
+        }
         if let Some(mib) = memory {
             println!("  device memory in use at the end: {mib} MiB (all processes)");
         }

@@ -59,6 +59,10 @@ pub struct BenchReport {
     pub img_per_s: f64,
     /// One device only.
     pub breakdown: Option<Breakdown>,
+    /// Several devices: each device's worker, busy per timed step (weights in, forward,
+    /// backward, gradients out, its own optimizer step for `ddp`); the rest of `step_ms`
+    /// is the main thread's serial part (sum, optimizer, weights out) and waiting.
+    pub device_busy_ms: Vec<f64>,
 }
 
 impl BackendJob for BenchJob {
@@ -93,8 +97,9 @@ impl BackendJob for BenchJob {
                 Buckets::mib(cfg.train.transfer_bucket_mib),
             )
         });
-        let mut step = |model: ResNet<B>,
-                        optim: &mut Optim<ResNet<B>, B>|
+        let step = |replicas: &mut Option<Replicas<B, ResNet<B>>>,
+                    model: ResNet<B>,
+                    optim: &mut Optim<ResNet<B>, B>|
          -> Result<ResNet<B>, ReplicaError> {
             Ok(match replicas.as_mut() {
                 Some(r) => {
@@ -106,24 +111,36 @@ impl BackendJob for BenchJob {
         };
 
         let t = Instant::now();
-        model = step(model, &mut optim)?;
+        model = step(&mut replicas, model, &mut optim)?;
         sync();
         let first_step_s = t.elapsed().as_secs_f64();
         eprintln!("kiln: first step {first_step_s:.1} s");
         let t = Instant::now();
-        model = step(model, &mut optim)?;
+        model = step(&mut replicas, model, &mut optim)?;
         sync();
         let second_step_s = t.elapsed().as_secs_f64();
         for _ in 0..self.warmup {
-            model = step(model, &mut optim)?;
+            model = step(&mut replicas, model, &mut optim)?;
         }
         sync();
+        if let Some(r) = replicas.as_mut() {
+            r.take_load();
+        }
         let t = Instant::now();
         for _ in 0..self.steps {
-            model = step(model, &mut optim)?;
+            model = step(&mut replicas, model, &mut optim)?;
         }
         sync();
         let step_s = t.elapsed().as_secs_f64() / self.steps.max(1) as f64;
+        let device_busy_ms = replicas
+            .as_mut()
+            .map(|r| {
+                r.take_load()
+                    .iter()
+                    .map(|l| l.busy_s * 1e3 / self.steps.max(1) as f64)
+                    .collect()
+            })
+            .unwrap_or_default();
         // Phases are timed on one device; with several, the step above is the figure.
         let breakdown = (devices.len() == 1).then(|| {
             breakdown::<B>(
@@ -147,6 +164,7 @@ impl BackendJob for BenchJob {
             step_ms: step_s * 1e3,
             img_per_s: batch.labels.len() as f64 / step_s,
             breakdown,
+            device_busy_ms,
         })
     }
 }
@@ -191,5 +209,51 @@ fn breakdown<B: AutodiffBackend>(
         backward_ms: per(ms[2]),
         optimizer_ms: per(ms[3]),
         total_ms: per(ms.iter().sum()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{Arch, DatasetKind};
+    use crate::test_util::{TestBackend, device, rng_lock};
+
+    fn job(devices: usize) -> BenchJob {
+        let mut config = Config::default();
+        config.model.arch = Arch::Tiny;
+        config.data.dataset = DatasetKind::Synthetic;
+        config.data.image_size = 8;
+        config.data.synthetic_classes = 3;
+        config.data.synthetic_train_size = 4 * devices;
+        config.data.synthetic_test_size = 1;
+        config.train.batch_size = 4 * devices;
+        BenchJob {
+            dataset: crate::data::open(&config.data, 0).unwrap(),
+            config,
+            device_names: (0..devices).map(|i| format!("cpu#{i}")).collect(),
+            steps: 3,
+            warmup: 1,
+            breakdown_steps: 2,
+        }
+    }
+
+    #[test]
+    fn one_device_gets_a_breakdown_and_several_their_busy_times() {
+        let _rng = rng_lock();
+        let one = job(1).run::<TestBackend>(vec![device()]).unwrap();
+        assert_eq!((one.batch, one.devices, one.steps), (4, 1, 3));
+        let b = one.breakdown.expect("one device is broken down");
+        assert!(b.forward_ms > 0.0 && b.backward_ms > 0.0 && b.total_ms >= b.forward_ms);
+        assert!(one.device_busy_ms.is_empty());
+        assert!(one.img_per_s > 0.0 && one.step_ms > 0.0);
+        let two = job(2).run::<TestBackend>(vec![device(); 2]).unwrap();
+        assert_eq!((two.batch, two.devices), (8, 2));
+        assert!(two.breakdown.is_none());
+        assert_eq!(two.device_busy_ms.len(), 2);
+        assert!(
+            two.device_busy_ms.iter().all(|ms| *ms > 0.0),
+            "{:?}",
+            two.device_busy_ms
+        );
     }
 }

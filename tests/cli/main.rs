@@ -635,3 +635,33 @@ fn gradient_checkpointing_trains_to_the_same_result() {
     );
     assert_eq!(a["final_test_acc"], b["final_test_acc"]);
 }
+
+#[test]
+fn bench_reports_throughput_as_json_and_as_text() {
+    let args = [
+        "bench",
+        "--model",
+        "resnet18",
+        "--image-size",
+        "8",
+        "--batch",
+        "2",
+        "--steps",
+        "1",
+        "--warmup",
+        "0",
+        "--breakdown-steps",
+        "1",
+    ];
+    let out = Output::of(kiln().args(args).arg("--json"));
+    out.success();
+    let doc: serde_json::Value = serde_json::from_str(out.stdout.trim()).unwrap();
+    assert_eq!(doc["model"], "resnet18");
+    assert_eq!(doc["devices"], 1);
+    assert!(doc["img_per_s"].as_f64().unwrap() > 0.0);
+    assert!(doc["breakdown"]["backward_ms"].as_f64().unwrap() > 0.0);
+    Output::of(kiln().args(args))
+        .success()
+        .stdout_has("throughput")
+        .stdout_has("synced phases");
+}
