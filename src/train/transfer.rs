@@ -68,17 +68,18 @@ impl Buckets {
 pub struct Flat(Vec<TensorData>);
 
 impl Flat {
-    fn of<B: Backend>(pieces: Vec<Tensor<B, 1>>, buckets: Buckets) -> Self {
+    /// Also returns the bucket of each piece.
+    fn of<B: Backend>(pieces: Vec<Tensor<B, 1>>, buckets: Buckets) -> (Self, Vec<usize>) {
         let sizes: Vec<usize> = pieces.iter().map(|t| t.dims()[0]).collect();
         let assigned = buckets.assign(&sizes);
         let mut groups: Vec<Vec<Tensor<B, 1>>> = Vec::new();
-        for (t, b) in pieces.into_iter().zip(assigned) {
+        for (t, &b) in pieces.into_iter().zip(&assigned) {
             if groups.len() <= b {
                 groups.push(Vec::new());
             }
             groups[b].push(t);
         }
-        Flat(
+        let flat = Flat(
             groups
                 .into_iter()
                 .map(|mut g| match g.len() {
@@ -86,7 +87,8 @@ impl Flat {
                     _ => Tensor::cat(g, 0).into_data(),
                 })
                 .collect(),
-        )
+        );
+        (flat, assigned)
     }
 
     fn len(&self) -> usize {
@@ -172,7 +174,7 @@ pub fn snapshot<B: Backend, M: Module<B>>(model: &M, part: Part, buckets: Bucket
         pieces: Vec::new(),
     };
     model.visit(&mut s);
-    Flat::of(s.pieces, buckets)
+    Flat::of(s.pieces, buckets).0
 }
 
 /// BatchNorm running statistics of `model`, pending updates included.
@@ -290,22 +292,17 @@ impl HostGrads {
     }
 }
 
-impl HostGrads {
-    /// The element-wise sum of several replicas' gradients, in the order given (float
-    /// addition is not associative: the same order gives the same numbers every run).
-    /// `None` when they are not gradients of the same parameters in the same buckets.
-    /// It is on the critical path of every `ddp` step, so a few threads share it.
-    pub fn sum(parts: &[HostGrads]) -> Option<HostGrads> {
-        let (first, rest) = parts.split_first()?;
-        if rest.iter().any(|p| p.index != first.index) {
-            return None;
-        }
+impl Flat {
+    /// The element-wise sum of several snapshots of the same tensors, in the order given
+    /// (float addition is not associative: the same order gives the same numbers every
+    /// run). `None` when their buckets differ. It is on the critical path of every `ddp`
+    /// step, so a few threads share it.
+    fn sum(parts: &[&Flat]) -> Option<Flat> {
+        let first = parts.first()?;
         let slices: Vec<Vec<&[f32]>> = parts
             .iter()
             .map(|p| {
-                p.flat
-                    .0
-                    .iter()
+                p.0.iter()
                     .map(|d| d.as_slice::<f32>().ok())
                     .collect::<Option<Vec<_>>>()
             })
@@ -351,13 +348,26 @@ impl HostGrads {
                 });
             }
         });
+        Some(Flat(
+            out.into_iter()
+                .zip(&first.0)
+                .map(|(v, d)| TensorData::new(v, d.shape.clone()))
+                .collect(),
+        ))
+    }
+}
+
+impl HostGrads {
+    /// The element-wise sum of several replicas' gradients, in the order given. `None`
+    /// when they are not gradients of the same parameters in the same buckets.
+    pub fn sum(parts: &[HostGrads]) -> Option<HostGrads> {
+        let (first, rest) = parts.split_first()?;
+        if rest.iter().any(|p| p.index != first.index) {
+            return None;
+        }
+        let flats: Vec<&Flat> = parts.iter().map(|p| &p.flat).collect();
         Some(HostGrads {
-            flat: Flat(
-                out.into_iter()
-                    .zip(&first.flat.0)
-                    .map(|(v, d)| TensorData::new(v, d.shape.clone()))
-                    .collect(),
-            ),
+            flat: Flat::sum(&flats)?,
             index: first.index.clone(),
         })
     }
@@ -391,19 +401,17 @@ fn collect<B: AutodiffBackend, M: AutodiffModule<B>>(
     };
     model.visit(&mut c);
     let sizes: Vec<usize> = c.pieces.iter().map(|t| t.dims()[0]).collect();
+    let (flat, assigned) = Flat::of(c.pieces, buckets);
     let mut index = HashMap::new();
     let mut at = (usize::MAX, 0);
-    for ((id, n), b) in c.ids.iter().zip(&sizes).zip(buckets.assign(&sizes)) {
+    for ((id, n), b) in c.ids.iter().zip(&sizes).zip(assigned) {
         if at.0 != b {
             at = (b, 0);
         }
         index.insert(*id, at);
         at.1 += n;
     }
-    HostGrads {
-        flat: Flat::of(c.pieces, buckets),
-        index,
-    }
+    HostGrads { flat, index }
 }
 
 /// Gradients uploaded bucket by bucket; each parameter's is a slice of its bucket.
@@ -424,22 +432,14 @@ impl<B: Backend> DeviceGrads<B> {
 /// the order given, so every run computes the same numbers.
 pub fn mean(snapshots: &[Flat]) -> Flat {
     let n = snapshots.len() as f32;
-    Flat(
-        (0..snapshots[0].0.len())
-            .map(|b| {
-                let shape = snapshots[0].0[b].shape.clone();
-                let mut acc: Vec<f32> = snapshots[0].0[b]
-                    .to_vec::<f32>()
-                    .expect("BatchNorm statistics are float tensors");
-                for s in &snapshots[1..] {
-                    let v = s.0[b].to_vec::<f32>().expect("float tensors");
-                    acc.iter_mut().zip(v).for_each(|(a, b)| *a += b);
-                }
-                acc.iter_mut().for_each(|a| *a /= n);
-                TensorData::new(acc, shape)
-            })
-            .collect(),
-    )
+    let all: Vec<&Flat> = snapshots.iter().collect();
+    let mut sum = Flat::sum(&all).expect("snapshots of the same float tensors");
+    for b in &mut sum.0 {
+        let mut v = b.to_vec::<f32>().expect("float tensors");
+        v.iter_mut().for_each(|a| *a /= n);
+        *b = TensorData::new(v, b.shape.clone());
+    }
+    sum
 }
 
 #[cfg(test)]
