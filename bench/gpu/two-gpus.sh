@@ -11,7 +11,8 @@
 # Results go to /tmp/res. PHASES picks the phases to run (default "1,2,3,4,5"):
 #   1 caches  2 ResNet-18 on 1 and 2 GPUs  3 device layer  4 default config on 2 GPUs,
 #   GPU failure, kill -9  5 sweeps  6 ResNet-50 on 1 and 2 GPUs  7 loading study
-#   8 the default config on one GPU (accuracy, checkpoint share)
+#   8 the default config on one GPU (accuracy, checkpoint share)  9 bf16, determinism and
+#   kernel profile beside phase 8. Phases run in the order PHASES lists them.
 set -u
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 RES=/tmp/res; mkdir -p "$RES" /tmp/kc /tmp/runs
@@ -24,7 +25,7 @@ nvidia-smi topo -m > "$RES/topo.txt" 2>&1
 nvidia-smi --query-gpu=index,uuid,pci.bus_id --format=csv,noheader > "$RES/gpus.csv"
 UUID1=$(sed -n 2p "$RES/gpus.csv" | cut -d, -f2 | tr -d ' ')
 SET=(--set devices.cache_dir=$C)
-want() { [[ ",${PHASES:-1,2,3,4,5}," == *",$1,"* ]]; }
+PHASES=${PHASES:-1,2,3,4,5}
 FM=(--config configs/resnet.toml "${SET[@]}")
 
 # Which physical GPU holds each process, sampled once a second.
@@ -43,7 +44,7 @@ share_autotune() {
 }
 bench() {  # name, then kiln bench args
   local name=$1; shift
-  timeout 300 "$K" bench --json "${SET[@]}" "$@" > "$RES/bench-$name.json" 2> "$RES/bench-$name.log"
+  timeout "${BT:-300}" "$K" bench --json "${SET[@]}" "$@" > "$RES/bench-$name.json" 2> "$RES/bench-$name.log"
   log "bench $name done ($?)"
 }
 torch() {  # name, gpus, then reference args
@@ -60,7 +61,7 @@ R18=(--model resnet18 --image-size 32 --batch 256 --steps 50 --warmup 10)
 
 # Phase 1, caches: the Fashion-MNIST kernels on GPU 0 while GPU 1 compiles the ResNet-18
 # bench (its first-step time is the cold figure) and runs PyTorch on one GPU.
-if want 1; then
+phase1() {
 log "phase 1: caches"
 ( CUDA_VISIBLE_DEVICES=0 "$K" warmup "${FM[@]}" > "$RES/warmup-1gpu.log" 2>&1; log "warmup 1 gpu done ($?)" ) &
 ( export CUDA_VISIBLE_DEVICES=1
@@ -71,10 +72,10 @@ wait
 share_autotune
 timeout 400 "$K" warmup "${FM[@]}" --devices 0,1 > "$RES/warmup-2gpu.log" 2>&1
 log "warmup 2 gpus done ($?)"
-fi
+}
 
 # Phase 2, data parallelism alone on the GPUs (issue 3).
-if want 2; then
+phase2() {
 bench r18-1 "${R18[@]}" --devices 0
 bench r18-2dp "${R18[@]}" --devices 0,1
 bench r18-2ddp "${R18[@]}" --devices 0,1 --set train.strategy=ddp
@@ -85,7 +86,7 @@ done
 torch r18-2 2 "${R18[@]}"
 # Issue 10: activation recomputation, memory and speed beside the plain run.
 bench r18-1-recompute "${R18[@]}" --devices 0 --set train.gradient_checkpointing=true
-fi
+}
 
 # Phase 3, the device layer (issue 9): `kiln devices` and a one-epoch training on
 # 12,800 images under each visible-device setting; runs that fall back to the CPU stop
@@ -107,7 +108,7 @@ demo() {  # name, then env assignments, then -- and extra args
   log "demo $name done"
 }
 CPU2=(--set train.max_steps=2 --set data.max_test_samples=512)
-if want 3; then
+phase3() {
 demo unset
 demo cvd-1 CUDA_VISIBLE_DEVICES=1
 demo cvd-1-0 CUDA_VISIBLE_DEVICES=1,0
@@ -117,12 +118,12 @@ demo cvd-uuid CUDA_VISIBLE_DEVICES=${UUID1:0:10}
 demo cvd-empty CUDA_VISIBLE_DEVICES= -- "${CPU2[@]}"
 demo typo CUDA_VISBLE_DEVICES=1
 demo config-visible-1 -- --set devices.visible=1
-fi
+}
 
 # Phase 4, side by side: the default config on both GPUs (issue 3), the same run with
 # GPU 1 made to fail at step 1000 (issue 4), and a kill -9 of a one-GPU run followed by
 # --resume (issue 4). Concurrent, so their wall times are not throughput figures.
-if want 4; then
+phase4() {
 log "phase 4"
 watch_apps "$RES/apps-fault.csv" & W=$!
 ( timeout 1200 "$K" train "${FM[@]}" --devices 0,1 --output /tmp/runs/two > "$RES/fmnist-2gpu.log" 2>&1
@@ -145,7 +146,7 @@ for r in two fault k9; do
   ls -la /tmp/runs/$r/*/ /tmp/runs/$r/*/checkpoints > "$RES/$r-ls.txt" 2>&1
 done
 
-fi
+}
 
 # Phase 5, issue 5: eight short trials, two at a time on separate GPUs, then one at a time.
 sweep() {  # name, max_parallel
@@ -156,10 +157,10 @@ sweep() {  # name, max_parallel
   kill $w; cp /tmp/sweeps/$1-*/results.csv "$RES/$1-results.csv"
   log "sweep $1 done"
 }
-want 5 && { sweep sweep-2 2; sweep sweep-1 1; }
+phase5() { sweep sweep-2 2; sweep sweep-1 1; }
 
 # Phase 6, ResNet-50 at 224 px (issue 3): compiled first on GPU 0, then timed.
-if want 6; then
+phase6() {
 R50=(--model resnet50 --image-size 224 --batch 128 --steps 20 --warmup 5)
 bench r50-cold "${R50[@]}" --devices 0
 share_autotune
@@ -168,11 +169,12 @@ bench r50-2dp "${R50[@]}" --devices 0,1
 bench r50-2ddp "${R50[@]}" --devices 0,1 --set train.strategy=ddp
 CUDA_VISIBLE_DEVICES=0 torch r50-1 1 "${R50[@]}"
 torch r50-2 2 "${R50[@]}"
-fi
+}
 
 # Phase 7, loading (issue 10): one CIFAR-10 JPEG epoch per loader thread count; the
 # epoch line says how long training waited for data.
-if want 7 && [ -f .gpu/cifar10-jpg.tar.gz ]; then
+phase7() {
+[ -f .gpu/cifar10-jpg.tar.gz ] || return 0
 mkdir -p /tmp/cifar && tar xzf .gpu/cifar10-jpg.tar.gz -C /tmp/cifar
 ROOT=$(dirname "$(find /tmp/cifar -type d -name train | head -1)")
 for n in 1 2 4 8 16; do
@@ -181,14 +183,57 @@ for n in 1 2 4 8 16; do
     > "$RES/load-$n.log" 2>&1
   log "loading $n workers done ($?)"
 done
-fi
+}
 
 # Phase 8, the default config on one GPU: accuracy reference and the checkpoint share at
 # the default interval with checkpoints written in the background (issue 4).
-if want 8; then
-timeout 600 "$K" train "${FM[@]}" --devices 0 --output /tmp/runs/one > "$RES/fmnist-1gpu.log" 2>&1
+phase8() {
+timeout 600 "$K" train "${FM[@]}" --devices "${GPU:-0}" --output /tmp/runs/one > "$RES/fmnist-1gpu.log" 2>&1
 cp /tmp/runs/one/*/summary.json "$RES/one-summary.json"; cp /tmp/runs/one/*/metrics.csv "$RES/one-metrics.csv"
 log "fmnist 1 gpu done"
-fi
+}
+# The same 100 steps twice on GPU $1: equal weight checksums in the two checkpoints'
+# manifests mean bitwise-identical training (issue 10, train.deterministic).
+determinism() {
+  for r in a b; do
+    timeout 300 "$K" train "${FM[@]}" --devices "$1" --output /tmp/runs/det-$r --set train.epochs=1 \
+      --set data.max_train_samples=25600 > "$RES/det-$r.log" 2>&1
+    cat /tmp/runs/det-$r/*/checkpoints/*/manifest* > "$RES/det-$r-manifest.txt" 2>&1
+    cp /tmp/runs/det-$r/*/metrics.csv "$RES/det-$r-metrics.csv"
+  done
+  log "determinism done"
+}
+# Where the ResNet-18 step goes, kernel by kernel (issue 7): Nsight Systems if the
+# machine has it, else cubecl's own profiling logger (a device synchronisation after
+# every kernel, so only the per-kernel times are meaningful).
+profile() {
+  local args=(bench "${SET[@]}" --model resnet18 --image-size 32 --batch 256 --steps 5 --warmup 3 --devices "$1")
+  local nsys; nsys=$(command -v nsys || ls /usr/local/cuda/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys 2>/dev/null | head -1)
+  if [ -n "$nsys" ]; then
+    timeout 300 "$nsys" profile -t cuda -o /tmp/r18 --force-overwrite true "$K" "${args[@]}" > "$RES/profile-run.log" 2>&1
+    timeout 200 "$nsys" stats -r cuda_gpu_kern_sum -f csv /tmp/r18.nsys-rep > "$RES/profile-kernels.csv" 2> "$RES/profile-stats.log"
+  else
+    CUBECL_DEBUG_LOG=/tmp/cubecl-profile.log CUBECL_DEBUG_OPTION=profile timeout 300 "$K" "${args[@]}" > "$RES/profile-run.log" 2>&1
+    grep -v "^$" /tmp/cubecl-profile.log | tail -n 3000 | xz > "$RES/profile-cubecl.log.xz"
+  fi
+  log "profile done ($nsys)"
+}
+# Phase 9, two lanes side by side. GPU 0: the default config in bf16 mixed precision
+# (issue 10; cold, its kernels compile first), then the kernel profile. GPU 1: the
+# one-GPU fp32 default config (phase 8: accuracy reference, checkpoint share), the
+# determinism check, and the ResNet-18 bench in bf16 (cold, then warm).
+phase9() {
+  ( timeout 1000 "$K" train "${FM[@]}" --devices 0 --output /tmp/runs/bf16 --set train.precision=bf16 \
+      > "$RES/fmnist-bf16.log" 2>&1
+    echo "exit $?" >> "$RES/fmnist-bf16.log"
+    cp /tmp/runs/bf16/*/summary.json "$RES/bf16-summary.json"; cp /tmp/runs/bf16/*/metrics.csv "$RES/bf16-metrics.csv"
+    log "fmnist bf16 done"
+    profile 0 ) & local a=$!
+  ( GPU=1 phase8; determinism 1
+    BT=700 bench r18-1-bf16-cold "${R18[@]}" --devices 1 --set train.precision=bf16
+    bench r18-1-bf16 "${R18[@]}" --devices 1 --set train.precision=bf16 ) & local b=$!
+  wait $a $b
+}
+for p in ${PHASES//,/ }; do log "phase $p"; "phase$p"; done
 log "done"
 touch "$RES/DONE"

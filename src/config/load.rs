@@ -330,9 +330,9 @@ mod tests {
                 .unwrap_err()
                 .to_string()
         };
-        let m = msg("train.precision=bf16");
+        let m = msg("train.precision=fp16");
         assert!(
-            m.contains("train.precision = bf16") && m.contains("mixed precision"),
+            m.contains("train.precision = fp16") && m.contains("loss scaling"),
             "{m}"
         );
         let m = msg("data.pin_memory=true");
@@ -340,7 +340,9 @@ mod tests {
             m.contains("data.pin_memory = true") && m.contains("heap buffer"),
             "{m}"
         );
-        assert!(load_str("", "t.toml", &sets(&["train.precision=fp32"])).is_ok());
+        for ok in ["train.precision=fp32", "train.precision=bf16"] {
+            assert!(load_str("", "t.toml", &sets(&[ok])).is_ok(), "{ok}");
+        }
     }
 
     #[test]

@@ -185,9 +185,10 @@ pub enum Autotune {
 pub enum Precision {
     /// f32 everywhere (Burn runs f32 matmuls as TF32 on the tensor cores).
     Fp32,
-    /// Mixed precision with bfloat16 compute: not built yet.
+    /// Mixed precision: convolutions and the classifier in bfloat16 on fp32 master
+    /// weights; BatchNorm, loss and optimizer in fp32 (`model::precision`).
     Bf16,
-    /// Mixed precision with float16 compute and loss scaling: not built yet.
+    /// The same in float16, which needs loss scaling: not built yet (see validate).
     Fp16,
 }
 
@@ -240,7 +241,7 @@ pub struct TrainConfig {
     /// Relative share of each global batch per device, in the order of the devices
     /// used (e.g. `[3, 1]`); empty: equal shares. Only with several devices.
     pub device_weights: Vec<f64>,
-    /// Number format of the training arithmetic. Only `fp32` is built (see validate).
+    /// Number format of the training arithmetic: `fp32`, or `bf16` mixed precision.
     pub precision: Precision,
     /// `dp` or `ddp` (see `Strategy`); only with several devices.
     pub strategy: Strategy,
@@ -602,11 +603,11 @@ impl Config {
                 "positive numbers, one per device used (or [] for equal shares)",
             );
         }
-        if t.precision != Precision::Fp32 {
+        if t.precision == Precision::Fp16 {
             return bad(
                 "train.precision",
-                format!("{:?}", t.precision).to_lowercase(),
-                "\"fp32\": Burn 0.21 has no automatic mixed precision and kiln's (fp32 master weights, low-precision convolutions, loss scaling for fp16) is not written yet",
+                "fp16".into(),
+                "\"bf16\" or \"fp32\": float16 gradients underflow without dynamic loss scaling, which kiln does not have yet",
             );
         }
         if t.sync_batchnorm {

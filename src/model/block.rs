@@ -8,6 +8,9 @@ use burn::tensor::Tensor;
 use burn::tensor::activation::relu;
 use burn::tensor::backend::Backend;
 
+use super::precision;
+use crate::config::Precision;
+
 /// He-normal, fan-out, as torchvision initialises ResNet convolutions.
 fn he_normal() -> Initializer {
     Initializer::KaimingNormal {
@@ -51,8 +54,8 @@ impl<B: Backend> Projection<B> {
         }
     }
 
-    fn forward(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
-        self.bn.forward(self.conv.forward(x))
+    fn forward(&self, x: Tensor<B, 4>, p: Precision) -> Tensor<B, 4> {
+        self.bn.forward(precision::conv(&self.conv, x, p))
     }
 }
 
@@ -87,13 +90,13 @@ impl<B: Backend> Basic<B> {
     }
 
     /// `[B, cin, H, W] -> [B, cout, H / stride, W / stride]`
-    pub fn forward(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
+    pub fn forward(&self, x: Tensor<B, 4>, p: Precision) -> Tensor<B, 4> {
         let identity = match &self.shortcut {
-            Some(p) => p.forward(x.clone()),
+            Some(s) => s.forward(x.clone(), p),
             None => x.clone(),
         };
-        let y = relu(self.bn1.forward(self.conv1.forward(x)));
-        let y = self.bn2.forward(self.conv2.forward(y));
+        let y = relu(self.bn1.forward(precision::conv(&self.conv1, x, p)));
+        let y = self.bn2.forward(precision::conv(&self.conv2, y, p));
         relu(y + identity)
     }
 }
@@ -125,14 +128,14 @@ impl<B: Backend> Bottleneck<B> {
     }
 
     /// `[B, cin, H, W] -> [B, 4 * width, H / stride, W / stride]`
-    pub fn forward(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
+    pub fn forward(&self, x: Tensor<B, 4>, p: Precision) -> Tensor<B, 4> {
         let identity = match &self.shortcut {
-            Some(p) => p.forward(x.clone()),
+            Some(s) => s.forward(x.clone(), p),
             None => x.clone(),
         };
-        let y = relu(self.bn1.forward(self.conv1.forward(x)));
-        let y = relu(self.bn2.forward(self.conv2.forward(y)));
-        let y = self.bn3.forward(self.conv3.forward(y));
+        let y = relu(self.bn1.forward(precision::conv(&self.conv1, x, p)));
+        let y = relu(self.bn2.forward(precision::conv(&self.conv2, y, p)));
+        let y = self.bn3.forward(precision::conv(&self.conv3, y, p));
         relu(y + identity)
     }
 }
@@ -147,10 +150,10 @@ pub enum Block<B: Backend> {
 }
 
 impl<B: Backend> Block<B> {
-    pub fn forward(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
+    pub fn forward(&self, x: Tensor<B, 4>, p: Precision) -> Tensor<B, 4> {
         match self {
-            Block::Basic(b) => b.forward(x),
-            Block::Bottleneck(b) => b.forward(x),
+            Block::Basic(b) => b.forward(x, p),
+            Block::Bottleneck(b) => b.forward(x, p),
         }
     }
 }

@@ -2,6 +2,7 @@
 
 mod block;
 mod flavors;
+mod precision;
 mod resnet;
 
 pub use resnet::{ModelSpec, ResNet};

@@ -10,7 +10,8 @@ use burn::tensor::backend::Backend;
 
 use super::block::{Basic, Block, Bottleneck, bn, conv};
 use super::flavors::{BlockKind, layout};
-use crate::config::{Arch, Stem};
+use super::precision;
+use crate::config::{Arch, Precision, Stem};
 
 /// Everything that fixes the network's parameter shapes. Two checkpoints are
 /// compatible exactly when their specs are equal.
@@ -87,6 +88,7 @@ impl ModelSpec {
             blocks,
             pool: AdaptiveAvgPool2dConfig::new([1, 1]).init(),
             fc: LinearConfig::new(cin, self.num_classes).init(device),
+            precision: Precision::Fp32,
         })
     }
 }
@@ -99,22 +101,37 @@ pub struct ResNet<B: Backend> {
     blocks: Vec<Block<B>>,
     pool: AdaptiveAvgPool2d,
     fc: Linear<B>,
+    /// How convolutions and the classifier compute; not part of the weights, so a
+    /// checkpoint resumes under any precision.
+    #[module(skip)]
+    precision: Precision,
 }
 
 impl<B: Backend> ResNet<B> {
+    /// The same network computing its convolutions and classifier in `precision`
+    /// (`train.precision`; see `model::precision`).
+    pub fn with_precision(mut self, precision: Precision) -> Self {
+        self.precision = precision;
+        self
+    }
+
     /// # Shapes
     /// - `images`: `[batch, in_channels, H, W]`
     /// - returns logits: `[batch, num_classes]`
     pub fn forward(&self, images: Tensor<B, 4>) -> Tensor<B, 2> {
-        let mut x = relu(self.stem_bn.forward(self.stem_conv.forward(images)));
+        let p = self.precision;
+        let mut x = relu(
+            self.stem_bn
+                .forward(precision::conv(&self.stem_conv, images, p)),
+        );
         if let Some(pool) = &self.stem_pool {
             x = pool.forward(x);
         }
         for block in &self.blocks {
-            x = block.forward(x);
+            x = block.forward(x, p);
         }
         let x = self.pool.forward(x); // [B, C, 1, 1]
-        self.fc.forward(x.flatten(1, 3)) // [B, C] -> [B, classes]
+        precision::dense(&self.fc, x.flatten(1, 3), p) // [B, C] -> [B, classes]
     }
 }
 

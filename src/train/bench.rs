@@ -74,7 +74,7 @@ impl BackendJob for BenchJob {
         let shape = self.dataset.shape();
         let spec = model_spec(cfg, &self.dataset);
         B::seed(&device, cfg.train.seed);
-        let mut model = spec.init::<B>(&device);
+        let mut model = spec.init::<B>(&device).with_precision(cfg.train.precision);
         let mut optim = Optim::<ResNet<B>, B>::new(&cfg.optim);
         let (loader, _) = self
             .dataset

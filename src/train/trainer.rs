@@ -177,7 +177,7 @@ pub fn fit<B: AutodiffBackend>(
     let mut faults = Faults::new(&cfg.faults, &job.run_dir);
     let spec = model_spec(cfg, &job.dataset);
     B::seed(&device, cfg.train.seed);
-    let mut model = spec.init::<B>(&device);
+    let mut model = spec.init::<B>(&device).with_precision(cfg.train.precision);
     let mut optim = Optim::<ResNet<B>, B>::new(&cfg.optim);
     let mut state = TrainState::new(spec, job.dataset.classes.clone(), job.devices.clone());
     state.config_sha256 = cfg.training_hash();

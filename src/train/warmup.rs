@@ -38,7 +38,9 @@ impl BackendJob for WarmupJob {
         let cfg = &self.config;
         let device = devices[0].clone();
         B::seed(&device, cfg.train.seed);
-        let mut model = model_spec(cfg, &self.dataset).init::<B>(&device);
+        let mut model = model_spec(cfg, &self.dataset)
+            .init::<B>(&device)
+            .with_precision(cfg.train.precision);
         let mut optim = Optim::<ResNet<B>, B>::new(&cfg.optim);
         let (train, test) = self
             .dataset

@@ -1,0 +1,126 @@
+//! Mixed precision (`train.precision`): convolutions and the classifier's matmul take
+//! bfloat16 or float16 copies of their input and of the fp32 master weights and hand
+//! their result back in fp32, so BatchNorm (statistics included), the residual
+//! additions, pooling, the loss and the optimizer stay in fp32, as PyTorch's autocast
+//! does. Burn's casts are differentiable: the backward pass runs the convolutions'
+//! gradients in the low precision and casts the weight gradients back to fp32.
+
+use burn::nn::conv::Conv2d;
+use burn::nn::{Linear, PaddingConfig2d};
+use burn::tensor::backend::Backend;
+use burn::tensor::module::{conv2d, linear};
+use burn::tensor::ops::ConvOptions;
+use burn::tensor::{FloatDType, Tensor};
+
+use crate::config::Precision;
+
+/// The dtype convolutions and matmuls compute in; `None` for fp32 (Burn's own path,
+/// TF32 on the tensor cores).
+pub fn compute_dtype(precision: Precision) -> Option<FloatDType> {
+    match precision {
+        Precision::Fp32 => None,
+        Precision::Bf16 => Some(FloatDType::BF16),
+        Precision::Fp16 => Some(FloatDType::F16),
+    }
+}
+
+/// `conv.forward(x)` with the arithmetic in `precision`; the result has `x`'s dtype.
+pub fn conv<B: Backend>(conv: &Conv2d<B>, x: Tensor<B, 4>, precision: Precision) -> Tensor<B, 4> {
+    let Some(low) = compute_dtype(precision) else {
+        return conv.forward(x);
+    };
+    // kiln builds every convolution without bias and with symmetric explicit padding
+    // (block::conv); anything else would need Burn's padding arithmetic, which is private.
+    let PaddingConfig2d::Explicit(top, left, bottom, right) = conv.padding else {
+        unreachable!("kiln's convolutions have explicit padding")
+    };
+    debug_assert!(top == bottom && left == right && conv.bias.is_none());
+    let options = ConvOptions::new(conv.stride, [top, left], conv.dilation, conv.groups);
+    let dtype = x.dtype();
+    conv2d(x.cast(low), conv.weight.val().cast(low), None, options).cast(dtype)
+}
+
+/// `fc.forward(x)` with the matmul in `precision`; the bias is added in `x`'s dtype.
+pub fn dense<B: Backend>(fc: &Linear<B>, x: Tensor<B, 2>, precision: Precision) -> Tensor<B, 2> {
+    let Some(low) = compute_dtype(precision) else {
+        return fc.forward(x);
+    };
+    let dtype = x.dtype();
+    let y = linear(x.cast(low), fc.weight.val().cast(low), None).cast(dtype);
+    match &fc.bias {
+        Some(b) => y + b.val().unsqueeze(),
+        None => y,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::block;
+    use crate::test_util::{TestBackend, device, rng_lock};
+    use burn::module::Param;
+    use burn::nn::LinearConfig;
+    use burn::tensor::{DType, Distribution, Tolerance};
+
+    fn input(dims: [usize; 4]) -> Tensor<TestBackend, 4> {
+        Tensor::random(dims, Distribution::Normal(0.0, 1.0), &device())
+    }
+
+    #[test]
+    fn fp32_is_burns_own_convolution() {
+        let _rng = rng_lock();
+        let c = block::conv::<TestBackend>(3, 4, 3, 2, &device());
+        let x = input([2, 3, 9, 9]);
+        let ours = conv(&c, x.clone(), Precision::Fp32);
+        ours.into_data().assert_eq(&c.forward(x).into_data(), true);
+    }
+
+    #[test]
+    fn low_precision_convolutions_agree_with_fp32_and_return_fp32() {
+        let _rng = rng_lock();
+        for (k, stride) in [(3, 1), (3, 2), (1, 2), (7, 2)] {
+            let c = block::conv::<TestBackend>(3, 8, k, stride, &device());
+            let x = input([2, 3, 16, 16]);
+            let reference = c.forward(x.clone());
+            for p in [Precision::Bf16, Precision::Fp16] {
+                let y = conv(&c, x.clone(), p);
+                assert_eq!(y.dtype(), DType::F32);
+                assert_eq!(y.dims(), reference.dims());
+                // bf16 keeps 8 bits of mantissa: relative error about 2^-8 per product.
+                y.into_data().assert_approx_eq::<f32>(
+                    &reference.clone().into_data(),
+                    Tolerance::absolute(0.08).set_relative(0.05),
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn low_precision_gradients_reach_the_fp32_weights() {
+        let _rng = rng_lock();
+        let c = block::conv::<TestBackend>(2, 3, 3, 1, &device());
+        let fc = LinearConfig::new(3, 4).init::<TestBackend>(&device());
+        let x = input([2, 2, 6, 6]);
+        let grads = |p: Precision| {
+            let y = conv(&c, x.clone(), p).mean_dim(2).mean_dim(3).flatten(1, 3);
+            let loss = dense(&fc, y, p).powi_scalar(2).mean();
+            let g = loss.backward();
+            let w = c.weight.grad(&g).unwrap();
+            let b = fc.bias.as_ref().map(Param::val).unwrap().grad(&g).unwrap();
+            (w, b)
+        };
+        let (w32, b32) = grads(Precision::Fp32);
+        for p in [Precision::Bf16, Precision::Fp16] {
+            let (w, b) = grads(p);
+            assert_eq!(w.dtype(), DType::F32, "{p:?}");
+            w.into_data().assert_approx_eq::<f32>(
+                &w32.clone().into_data(),
+                Tolerance::absolute(0.02).set_relative(0.05),
+            );
+            b.into_data().assert_approx_eq::<f32>(
+                &b32.clone().into_data(),
+                Tolerance::absolute(0.02).set_relative(0.05),
+            );
+        }
+    }
+}
