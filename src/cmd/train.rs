@@ -55,11 +55,18 @@ pub fn resolve(args: &TrainArgs) -> anyhow::Result<(Option<PathBuf>, Config, Str
     Ok((resume_dir, config, name, notes))
 }
 
+/// Why CUDA runs cannot promise bitwise repetition (BENCHMARKS.md, "Determinism").
+const NOT_DETERMINISTIC_ON_CUDA: &str = "train.deterministic = true is not available on CUDA with Burn 0.21: cubecl chooses matmul, convolution and reduction kernels by timing them (autotune), so two runs can add in different orders, and Burn has no deterministic mode that pins them. Train on the CPU (devices.backend = \"cpu\"), which repeats exactly, or set train.deterministic = false";
+
 /// Trains in this process.
 fn train_here(args: TrainArgs) -> anyhow::Result<ExitCode> {
     let (resume_dir, config, name, notes) = resolve(&args)?;
     for note in notes {
         eprintln!("kiln: note: {note}");
+    }
+    let plan = super::plan_devices(&config.devices)?;
+    if config.train.deterministic && matches!(plan, DevicePlan::Cuda { .. }) {
+        return Err(UsageError(NOT_DETERMINISTIC_ON_CUDA.into()).into());
     }
     let run_dir = match (&resume_dir, &args.run_dir) {
         (Some(dir), _) => dir.clone(),
@@ -67,7 +74,6 @@ fn train_here(args: TrainArgs) -> anyhow::Result<ExitCode> {
         (None, None) => create_run_dir(&args.output, &name)?,
     };
 
-    let plan = super::plan_devices(&config.devices)?;
     let used: Vec<UsedDevice> = match &plan {
         DevicePlan::Cuda { gpus, .. } => gpus
             .iter()

@@ -243,7 +243,9 @@ pub struct TrainConfig {
     pub device_weights: Vec<f64>,
     /// Number format of the training arithmetic: `fp32`, or `bf16` mixed precision.
     pub precision: Precision,
-    /// `dp` or `ddp` (see `Strategy`); only with several devices.
+    /// `dp` or `ddp` (see `Strategy`); only with several devices. `ddp` by default: it
+    /// measured faster on two H200s (BENCHMARKS.md), since `dp` copies the weights out
+    /// and the gradients in on the main thread, between steps.
     pub strategy: Strategy,
     /// Recompute memory-bound activations in the backward pass instead of keeping them
     /// (Burn's balanced checkpointing).
@@ -254,6 +256,9 @@ pub struct TrainConfig {
     /// Batch statistics over all replicas' shards. Not available: `false` keeps each
     /// shard's own statistics (running statistics stay identical across replicas).
     pub sync_batchnorm: bool,
+    /// Require bitwise-repeatable training: the same seed gives the same weights on the
+    /// same device. The CPU backend is; CUDA runs are refused (cmd::train says why).
+    pub deterministic: bool,
 }
 
 impl Default for TrainConfig {
@@ -272,10 +277,11 @@ impl Default for TrainConfig {
             autotune: Autotune::Balanced,
             device_weights: Vec::new(),
             precision: Precision::Fp32,
-            strategy: Strategy::Dp,
+            strategy: Strategy::Ddp,
             gradient_checkpointing: false,
             transfer_bucket_mib: 0,
             sync_batchnorm: false,
+            deterministic: false,
         }
     }
 }

@@ -665,3 +665,40 @@ fn bench_reports_throughput_as_json_and_as_text() {
         .stdout_has("throughput")
         .stdout_has("synced phases");
 }
+
+/// Every epoch's train loss and the final test loss, as written (f64 in summary.json).
+fn losses(run: &Path) -> (Vec<String>, serde_json::Value) {
+    let train = metrics(run).into_iter().map(|r| r[3].clone()).collect();
+    (train, summary(run)["final_test_loss"].clone())
+}
+
+#[test]
+fn deterministic_cpu_runs_repeat_exactly() {
+    // (model.bin itself differs between runs: Burn stores random parameter ids in it.)
+    let sets = ["train.deterministic=true", "devices.backend=cpu"];
+    let (a, b) = (tempdir("det-a"), tempdir("det-b"));
+    train(&a, &sets).success();
+    train(&b, &sets).success();
+    assert_eq!(losses(&run_dir(&a)), losses(&run_dir(&b)));
+}
+
+#[test]
+fn bf16_mixed_precision_trains_close_to_fp32() {
+    let fp32 = tempdir("prec-fp32");
+    train(&fp32, &[]).success();
+    let bf16 = tempdir("prec-bf16");
+    train(&bf16, &["train.precision=bf16"]).success();
+    let (a, b) = (summary(&run_dir(&fp32)), summary(&run_dir(&bf16)));
+    let loss = |s: &serde_json::Value| s["final_test_loss"].as_f64().unwrap();
+    // Same data, same initial weights; bf16 rounds every convolution's inputs.
+    assert!(
+        (loss(&a) - loss(&b)).abs() < 0.1 * loss(&a),
+        "{} vs {}",
+        loss(&a),
+        loss(&b)
+    );
+    assert_ne!(losses(&run_dir(&fp32)), losses(&run_dir(&bf16)));
+    train(&tempdir("prec-fp16"), &["train.precision=fp16"])
+        .code(2)
+        .stderr_has("loss scaling");
+}
