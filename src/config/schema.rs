@@ -188,7 +188,7 @@ pub enum Precision {
     /// Mixed precision: convolutions and the classifier in bfloat16 on fp32 master
     /// weights; BatchNorm, loss and optimizer in fp32 (`model::precision`).
     Bf16,
-    /// The same in float16, which needs loss scaling: not built yet (see validate).
+    /// The same in float16, with dynamic loss scaling (`train::loss_scale`).
     Fp16,
 }
 
@@ -241,7 +241,7 @@ pub struct TrainConfig {
     /// Relative share of each global batch per device, in the order of the devices
     /// used (e.g. `[3, 1]`); empty: equal shares. Only with several devices.
     pub device_weights: Vec<f64>,
-    /// Number format of the training arithmetic: `fp32`, or `bf16` mixed precision.
+    /// Number format of the training arithmetic: `fp32`, or `bf16` / `fp16` mixed precision.
     pub precision: Precision,
     /// `dp` or `ddp` (see `Strategy`); only with several devices. `ddp` by default: it
     /// measured faster on two H200s (BENCHMARKS.md), since `dp` copies the weights out
@@ -607,13 +607,6 @@ impl Config {
                 "train.device_weights",
                 format!("{:?}", t.device_weights),
                 "positive numbers, one per device used (or [] for equal shares)",
-            );
-        }
-        if t.precision == Precision::Fp16 {
-            return bad(
-                "train.precision",
-                "fp16".into(),
-                "\"bf16\" or \"fp32\": float16 gradients underflow without dynamic loss scaling, which kiln does not have yet",
             );
         }
         if t.sync_batchnorm {

@@ -27,6 +27,11 @@ pub struct Summary {
     pub checkpoints_written: u64,
     /// Time the background writer spent putting them on disk, beside training.
     pub checkpoint_write_s: f64,
+    /// fp16 only: the loss scale at the end and the steps skipped on overflow.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub loss_scale: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub skipped_steps: Option<u64>,
     pub config_sha256: String,
     pub devices: Vec<String>,
     pub model: String,
@@ -61,6 +66,8 @@ impl Summary {
             },
             checkpoints_written: state.checkpoints_written,
             checkpoint_write_s: state.checkpoint_write_s,
+            loss_scale: state.loss_scale.map(|l| l.scale),
+            skipped_steps: state.loss_scale.map(|l| l.skipped_steps),
             config_sha256: state.config_sha256.clone(),
             devices: state.devices.clone(),
             model: format!("{:?} ({:?} stem)", state.spec.arch, state.spec.stem).to_lowercase(),

@@ -163,7 +163,16 @@ mod tests {
             ModelSpec::new(Arch::Tiny, Stem::Small, 3, 3, 8).init(&FlexDevice);
         let mut optim = Optim::new(&cfg.optim);
         for b in batches {
-            model = train_step(model, &mut optim, b.clone(), 0.1, &cfg.train, &FlexDevice).0;
+            model = train_step(
+                model,
+                &mut optim,
+                b.clone(),
+                0.1,
+                &cfg.train,
+                &FlexDevice,
+                None,
+            )
+            .0;
         }
         params::<B, _>(&model)
     }

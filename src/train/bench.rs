@@ -12,6 +12,7 @@ use serde::Serialize;
 
 use super::backend::BackendJob;
 use super::loss::cross_entropy;
+use super::loss_scale::LossScale;
 use super::optim::Optim;
 use super::parallel::{ReplicaError, Replicas};
 use super::step::{to_device, train_step};
@@ -97,16 +98,18 @@ impl BackendJob for BenchJob {
                 Buckets::mib(cfg.train.transfer_bucket_mib),
             )
         });
+        // fp16: a fixed loss scale; a step that overflows is skipped, as in training.
+        let scale = LossScale::for_precision(cfg.train.precision).map(|l| l.scale);
         let step = |replicas: &mut Option<Replicas<B, ResNet<B>>>,
                     model: ResNet<B>,
                     optim: &mut Optim<ResNet<B>, B>|
          -> Result<ResNet<B>, ReplicaError> {
             Ok(match replicas.as_mut() {
                 Some(r) => {
-                    r.step(model, optim, batch.clone(), lr, &cfg.train, 0, None)?
+                    r.step(model, optim, batch.clone(), lr, &cfg.train, 0, None, scale)?
                         .0
                 }
-                None => train_step(model, optim, batch.clone(), lr, &cfg.train, &device).0,
+                None => train_step(model, optim, batch.clone(), lr, &cfg.train, &device, scale).0,
             })
         };
 

@@ -7,6 +7,7 @@ mod checkpoint;
 mod clip;
 mod eval;
 mod loss;
+mod loss_scale;
 mod optim;
 mod parallel;
 mod schedule;

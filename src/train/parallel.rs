@@ -127,6 +127,8 @@ enum Msg<B: AutodiffBackend, M: AutodiffModule<B>> {
         grads: HostGrads,
         lr: f64,
         clip: f64,
+        /// fp16's loss scale, to divide the gradients by.
+        scale: Option<f64>,
     },
     /// Reply with the replica's BatchNorm running statistics.
     ReadBuffers,
@@ -292,7 +294,8 @@ impl<B: AutodiffBackend, M: Classifier<B> + AutodiffModule<B> + 'static> Replica
         cfg: &TrainConfig,
         step: u64,
         fault: Option<(usize, FaultKind)>,
-    ) -> Result<(M, Sums<B::InnerBackend>), ReplicaError> {
+        scale: Option<f64>,
+    ) -> Result<(M, Sums<B::InnerBackend>, bool), ReplicaError> {
         let total = batch.labels.len() as f64;
         // `ddp` all-reduces through host memory: every replica reads its gradients back
         // at once, the host sums them, every replica uploads the sum at once; two copies
@@ -312,7 +315,7 @@ impl<B: AutodiffBackend, M: Classifier<B> + AutodiffModule<B> + 'static> Replica
             for (i, shard) in micro.split(&sizes).into_iter().enumerate() {
                 let job = Job {
                     model: (i == 0).then(|| model.clone()),
-                    weight: shard.labels.len() as f64 / total,
+                    weight: shard.labels.len() as f64 / total * scale.unwrap_or(1.0),
                     shard,
                     label_smoothing: cfg.label_smoothing,
                     to_host: i > 0 || host_sum,
@@ -384,10 +387,12 @@ impl<B: AutodiffBackend, M: Classifier<B> + AutodiffModule<B> + 'static> Replica
             })?;
             // The other replicas upload the sum and step beside the main one.
             for i in 1..self.workers.len() {
+                // Every replica sees the same sum, so it skips an overflowed step too.
                 let update = Msg::Update {
                     grads: sum.clone(),
                     lr,
                     clip: cfg.grad_clip_norm,
+                    scale,
                 };
                 self.send(i, update, step)?;
             }
@@ -408,7 +413,8 @@ impl<B: AutodiffBackend, M: Classifier<B> + AutodiffModule<B> + 'static> Replica
             sum.out
         };
         let sums = sums.expect("every step has at least one shard");
-        Ok((apply(model, optim, grads, lr, cfg), sums))
+        let (model, stepped) = apply(model, optim, grads, lr, cfg, scale);
+        Ok((model, sums, stepped))
     }
 
     /// Makes BatchNorm's running statistics the mean over all replicas, everywhere;
@@ -603,7 +609,12 @@ fn worker_loop<B: AutodiffBackend, M: Classifier<B> + AutodiffModule<B>>(ends: W
                 });
                 broken = r.err();
             }
-            Msg::Update { grads, lr, clip } => {
+            Msg::Update {
+                grads,
+                lr,
+                clip,
+                scale,
+            } => {
                 let mut grads = Some(grads);
                 let r = guarded(&mut || {
                     let (m, o) = match (own.take(), optim.as_mut()) {
@@ -614,7 +625,7 @@ fn worker_loop<B: AutodiffBackend, M: Classifier<B> + AutodiffModule<B>>(ends: W
                         .take()
                         .ok_or("update applied twice")?
                         .into_params(&m, &device);
-                    own = Some(apply_clipped(m, o, g, lr, clip));
+                    own = Some(apply_clipped(m, o, g, lr, clip, scale).0);
                     Ok(())
                 });
                 broken = r.err();
@@ -853,6 +864,7 @@ mod tests {
                     0.05,
                     &cfg.train,
                     &device(),
+                    None,
                 )
                 .0;
             }
@@ -878,7 +890,16 @@ mod tests {
     ) -> M {
         for (s, b) in batches.iter().enumerate() {
             model = r
-                .step(model, optim, b.clone(), 0.05, &cfg.train, s as u64, None)
+                .step(
+                    model,
+                    optim,
+                    b.clone(),
+                    0.05,
+                    &cfg.train,
+                    s as u64,
+                    None,
+                    None,
+                )
                 .unwrap()
                 .0;
         }
@@ -1089,6 +1110,7 @@ mod tests {
                 &TrainConfig::default(),
                 7,
                 None,
+                None,
             )
             .err()
             .unwrap()
@@ -1107,6 +1129,7 @@ mod tests {
             0.1,
             &TrainConfig::default(),
             8,
+            None,
             None,
         );
         assert!(ok.is_ok());

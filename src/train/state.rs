@@ -4,6 +4,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use super::loss_scale::LossScale;
 use crate::model::ModelSpec;
 
 /// One finished epoch.
@@ -60,6 +61,9 @@ pub struct TrainState {
     /// over all processes, up to the one before this.
     #[serde(default)]
     pub checkpoint_write_s: f64,
+    /// fp16's dynamic loss scale (None for fp32 and bf16).
+    #[serde(default)]
+    pub loss_scale: Option<LossScale>,
 }
 
 impl TrainState {
@@ -81,6 +85,7 @@ impl TrainState {
             checkpoint_s: 0.0,
             checkpoints_written: 0,
             checkpoint_write_s: 0.0,
+            loss_scale: None,
         }
     }
 

@@ -8,6 +8,7 @@ use burn::tensor::{Int, Tensor, TensorData};
 
 use super::clip::clip_global_norm;
 use super::loss::{correct, cross_entropy};
+use super::loss_scale::unscale;
 use super::optim::Optim;
 use crate::config::TrainConfig;
 use crate::data::Batch;
@@ -104,33 +105,43 @@ pub fn micro_batches(batch: Batch, cfg: &TrainConfig) -> Vec<Batch> {
     batch.split(&vec![n / k; k])
 }
 
-/// Clipping (if configured) and one optimizer step at `lr` with the summed gradients.
+/// Clipping (if configured) and one optimizer step at `lr` with the summed gradients;
+/// see [`apply_clipped`].
 pub fn apply<B: AutodiffBackend, M: AutodiffModule<B>>(
     model: M,
     optim: &mut Optim<M, B>,
     grads: GradientsParams,
     lr: f64,
     cfg: &TrainConfig,
-) -> M {
-    apply_clipped(model, optim, grads, lr, cfg.grad_clip_norm)
+    scale: Option<f64>,
+) -> (M, bool) {
+    apply_clipped(model, optim, grads, lr, cfg.grad_clip_norm, scale)
 }
 
 /// One optimizer step, the gradients' global norm clipped to `clip` first (0: off).
+/// With a loss `scale` (fp16) the gradients are divided by it first, and a step whose
+/// gradients overflowed is skipped: the flag says whether the step was taken.
 pub fn apply_clipped<B: AutodiffBackend, M: AutodiffModule<B>>(
     model: M,
     optim: &mut Optim<M, B>,
     mut grads: GradientsParams,
     lr: f64,
     clip: f64,
-) -> M {
+    scale: Option<f64>,
+) -> (M, bool) {
+    if let Some(scale) = scale
+        && !unscale::<B, M>(&model, &mut grads, scale)
+    {
+        return (model, false);
+    }
     if clip > 0.0 {
         clip_global_norm::<B, _>(&model, &mut grads, clip);
     }
-    optim.step(lr, model, grads)
+    (optim.step(lr, model, grads), true)
 }
 
 /// Trains on one global batch on one device: its micro-batches' gradients summed,
-/// then one optimizer step.
+/// then one optimizer step (skipped, and `false`, when fp16 gradients overflowed).
 pub fn train_step<B: AutodiffBackend, M: Classifier<B> + AutodiffModule<B>>(
     model: M,
     optim: &mut Optim<M, B>,
@@ -138,18 +149,20 @@ pub fn train_step<B: AutodiffBackend, M: Classifier<B> + AutodiffModule<B>>(
     lr: f64,
     cfg: &TrainConfig,
     device: &B::Device,
-) -> (M, Sums<B::InnerBackend>) {
+    scale: Option<f64>,
+) -> (M, Sums<B::InnerBackend>, bool) {
     let total = batch.labels.len() as f64;
     let mut acc = GradientsAccumulator::<M>::new();
     let mut sums = None;
     for micro in micro_batches(batch, cfg) {
-        let weight = micro.labels.len() as f64 / total;
+        let weight = micro.labels.len() as f64 / total * scale.unwrap_or(1.0);
         let (g, s) = forward_backward(&model, micro, device, weight, cfg.label_smoothing);
         acc.accumulate(&model, g);
         sums = Sums::accumulate(sums, s);
     }
     let sums = sums.expect("a batch has at least one micro-batch");
-    (apply(model, optim, acc.grads(), lr, cfg), sums)
+    let (model, stepped) = apply(model, optim, acc.grads(), lr, cfg, scale);
+    (model, sums, stepped)
 }
 
 /// Loss and accuracy sums of `model` (BatchNorm in inference mode) on one batch.

@@ -12,6 +12,7 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 
 use super::backend::BackendJob;
 use super::checkpoint::{self, CheckpointError, Snapshot, Store, Writer};
+use super::loss_scale::LossScale;
 use super::optim::Optim;
 use super::parallel::{ReplicaError, Replicas, act_out, balance_report};
 use super::schedule::{Horizon, lr_at};
@@ -180,6 +181,7 @@ pub fn fit<B: AutodiffBackend>(
     let mut model = spec.init::<B>(&device).with_precision(cfg.train.precision);
     let mut optim = Optim::<ResNet<B>, B>::new(&cfg.optim);
     let mut state = TrainState::new(spec, job.dataset.classes.clone(), job.devices.clone());
+    state.loss_scale = LossScale::for_precision(cfg.train.precision);
     state.config_sha256 = cfg.training_hash();
     let store = Store::new(&job.run_dir);
     let mut run = Run {
@@ -226,6 +228,10 @@ pub fn fit<B: AutodiffBackend>(
             config_sha256: state.config_sha256.clone(),
             ..saved
         };
+        // A run resumed under another precision keeps (or starts) only the scaler it needs.
+        if LossScale::for_precision(cfg.train.precision).is_none() {
+            state.loss_scale = None;
+        }
         run.elapsed_before = state.elapsed_s;
         run.write_s_before = state.checkpoint_write_s;
         run.progress.println(&format!(
@@ -293,7 +299,8 @@ pub fn fit<B: AutodiffBackend>(
             let t0 = Instant::now();
             let fault = faults.take(state.step + 1, devices.len());
             watchdog.step_started(state.step + 1);
-            let (m, s) = match replicas.as_mut() {
+            let scale = state.loss_scale.map(|l| l.scale);
+            let (m, s, stepped) = match replicas.as_mut() {
                 Some(r) => r
                     .step(
                         model,
@@ -303,6 +310,7 @@ pub fn fit<B: AutodiffBackend>(
                         &cfg.train,
                         state.step + 1,
                         fault,
+                        scale,
                     )
                     .map_err(|e| record_failure(&job.run_dir, e))?,
                 None => {
@@ -319,10 +327,15 @@ pub fn fit<B: AutodiffBackend>(
                             )
                         })?;
                     }
-                    train_step(model, &mut optim, batch, lr, &cfg.train, &device)
+                    train_step(model, &mut optim, batch, lr, &cfg.train, &device, scale)
                 }
             };
             watchdog.step_finished();
+            // A skipped (overflowed) fp16 step still counts as a step, as with PyTorch's
+            // GradScaler: the data and the schedule move on.
+            if let Some(l) = &mut state.loss_scale {
+                l.update(stepped);
+            }
             // A checkpoint that failed on disk stops training now, not at the next one.
             run.writer.poll()?;
             model = m;

@@ -9,6 +9,7 @@ use burn::module::AutodiffModule;
 use burn::tensor::backend::AutodiffBackend;
 
 use super::backend::BackendJob;
+use super::loss_scale::LossScale;
 use super::optim::Optim;
 use super::parallel::Replicas;
 use super::step::train_step;
@@ -50,6 +51,7 @@ impl BackendJob for WarmupJob {
             images: train.num_images(),
         })??;
         let lr = cfg.optim.lr;
+        let scale = LossScale::for_precision(cfg.train.precision).map(|l| l.scale);
         let t = Instant::now();
         model = if devices.len() > 1 {
             let mut r = Replicas::<B, ResNet<B>>::start(
@@ -59,10 +61,10 @@ impl BackendJob for WarmupJob {
                 cfg.train.strategy,
                 Buckets::mib(cfg.train.transfer_bucket_mib),
             );
-            let (m, _) = r.step(model, &mut optim, batch, lr, &cfg.train, 1, None)?;
+            let (m, _, _) = r.step(model, &mut optim, batch, lr, &cfg.train, 1, None, scale)?;
             r.sync_buffers(m, 1)?
         } else {
-            train_step(model, &mut optim, batch, lr, &cfg.train, &device).0
+            train_step(model, &mut optim, batch, lr, &cfg.train, &device, scale).0
         };
         for d in &devices {
             let _ = B::sync(d);

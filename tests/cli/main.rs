@@ -683,22 +683,31 @@ fn deterministic_cpu_runs_repeat_exactly() {
 }
 
 #[test]
-fn bf16_mixed_precision_trains_close_to_fp32() {
+fn mixed_precision_trains_close_to_fp32() {
     let fp32 = tempdir("prec-fp32");
     train(&fp32, &[]).success();
-    let bf16 = tempdir("prec-bf16");
-    train(&bf16, &["train.precision=bf16"]).success();
-    let (a, b) = (summary(&run_dir(&fp32)), summary(&run_dir(&bf16)));
+    let a = summary(&run_dir(&fp32));
     let loss = |s: &serde_json::Value| s["final_test_loss"].as_f64().unwrap();
-    // Same data, same initial weights; bf16 rounds every convolution's inputs.
-    assert!(
-        (loss(&a) - loss(&b)).abs() < 0.1 * loss(&a),
-        "{} vs {}",
-        loss(&a),
-        loss(&b)
-    );
-    assert_ne!(losses(&run_dir(&fp32)), losses(&run_dir(&bf16)));
-    train(&tempdir("prec-fp16"), &["train.precision=fp16"])
-        .code(2)
-        .stderr_has("loss scaling");
+    for precision in ["bf16", "fp16"] {
+        let low = tempdir(&format!("prec-{precision}"));
+        train(&low, &[&format!("train.precision={precision}")]).success();
+        let b = summary(&run_dir(&low));
+        // Same data, same initial weights; the low precision rounds every convolution's
+        // inputs.
+        assert!(
+            (loss(&a) - loss(&b)).abs() < 0.1 * loss(&a),
+            "{precision}: {} vs {}",
+            loss(&a),
+            loss(&b)
+        );
+        assert_ne!(losses(&run_dir(&fp32)), losses(&run_dir(&low)));
+        // Only fp16 scales the loss; a small model does not overflow at 65536.
+        match precision {
+            "fp16" => {
+                assert_eq!(b["loss_scale"], 65536.0, "{b}");
+                assert_eq!(b["skipped_steps"], 0, "{b}");
+            }
+            _ => assert!(b.get("loss_scale").is_none(), "{b}"),
+        }
+    }
 }
