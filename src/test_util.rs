@@ -44,3 +44,27 @@ pub fn tempdir() -> TempDir {
     std::fs::create_dir_all(&dir).expect("the temp dir should be writable");
     TempDir(dir)
 }
+
+/// Every float parameter and buffer of `m`, flattened in visiting order.
+pub fn floats<B: burn::tensor::backend::Backend, M: burn::module::Module<B>>(m: &M) -> Vec<f32> {
+    use burn::module::{ModuleVisitor, Param};
+    use burn::tensor::Tensor;
+    struct Collect(Vec<f32>);
+    impl<B: burn::tensor::backend::Backend> ModuleVisitor<B> for Collect {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
+            self.0
+                .extend(p.val().into_data().to_vec::<f32>().expect("f32 tensors"));
+        }
+    }
+    let mut c = Collect(Vec::new());
+    m.visit(&mut c);
+    c.0
+}
+
+/// The largest element-wise difference of two equally long vectors.
+pub fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}

@@ -130,30 +130,13 @@ mod cuda {
 
 #[cfg(test)]
 mod tests {
-    use burn::module::{Module, ModuleVisitor, Param};
-    use burn::tensor::Tensor;
-    use burn::tensor::backend::Backend;
-
     use super::*;
     use crate::config::{Arch, Config, DatasetKind, Stem};
     use crate::data::Batch;
     use crate::model::{ModelSpec, ResNet};
-    use crate::test_util::rng_lock;
+    use crate::test_util::{floats, max_diff, rng_lock};
     use crate::train::optim::Optim;
     use crate::train::step::train_step;
-
-    fn params<B: Backend, M: Module<B>>(m: &M) -> Vec<f32> {
-        struct Collect(Vec<f32>);
-        impl<B: Backend> ModuleVisitor<B> for Collect {
-            fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
-                self.0
-                    .extend(p.val().into_data().to_vec::<f32>().expect("f32 tensors"));
-            }
-        }
-        let mut c = Collect(Vec::new());
-        m.visit(&mut c);
-        c.0
-    }
 
     /// Parameters and BatchNorm statistics after three SGD steps of the tiny ResNet.
     fn trained<B: AutodiffBackend<Device = FlexDevice>>(batches: &[Batch]) -> Vec<f32> {
@@ -174,7 +157,7 @@ mod tests {
             )
             .0;
         }
-        params::<B, _>(&model)
+        floats::<B, _>(&model)
     }
 
     #[test]
@@ -191,11 +174,7 @@ mod tests {
         let kept = trained::<Autodiff<Flex>>(&batches);
         let recomputed = trained::<Autodiff<Flex, BalancedCheckpointing>>(&batches);
         assert_eq!(kept.len(), recomputed.len());
-        let diff = kept
-            .iter()
-            .zip(&recomputed)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0.0f32, f32::max);
+        let diff = max_diff(&kept, &recomputed);
         assert!(diff < 1e-5, "parameters differ by {diff}");
     }
 }

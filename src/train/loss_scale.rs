@@ -112,23 +112,10 @@ mod tests {
     use crate::config::{Arch, Config, Stem};
     use crate::data::Batch;
     use crate::model::{ModelSpec, ResNet};
-    use crate::test_util::{TestBackend, device, rng_lock};
+    use crate::test_util::{TestBackend, device, floats, max_diff, rng_lock};
     use crate::train::optim::Optim;
     use crate::train::step::train_step;
-    use burn::module::Module;
     use burn::tensor::Distribution;
-
-    fn params(m: &ResNet<TestBackend>) -> Vec<f32> {
-        struct Collect(Vec<f32>);
-        impl<B: Backend> ModuleVisitor<B> for Collect {
-            fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
-                self.0.extend(p.val().into_data().to_vec::<f32>().unwrap());
-            }
-        }
-        let mut c = Collect(Vec::new());
-        m.visit(&mut c);
-        c.0
-    }
 
     /// The tiny ResNet after one SGD step on 8 random images with loss scale `scale`,
     /// its parameters before, and whether the step was taken.
@@ -145,18 +132,11 @@ mod tests {
             shape: [8, 3, 8, 8],
         };
         let cfg = Config::default();
-        let before = params(&model);
+        let before = floats(&model);
         let mut optim = Optim::new(&cfg.optim);
         let (model, _, stepped) =
             train_step(model, &mut optim, batch, 0.1, &cfg.train, &device(), scale);
-        (before, params(&model), stepped)
-    }
-
-    fn max_diff(a: &[f32], b: &[f32]) -> f32 {
-        a.iter()
-            .zip(b)
-            .map(|(x, y)| (x - y).abs())
-            .fold(0.0, f32::max)
+        (before, floats(&model), stepped)
     }
 
     #[test]

@@ -777,7 +777,7 @@ mod tests {
     use super::*;
     use crate::config::{Config, TrainConfig};
     use crate::model::{ModelSpec, ResNet};
-    use crate::test_util::{TestBackend, device, rng_lock};
+    use crate::test_util::{TestBackend, device, max_diff, rng_lock};
     use burn::module::Module;
     use burn::nn::conv::{Conv2d, Conv2dConfig};
     use burn::nn::{Linear, LinearConfig};
@@ -904,13 +904,6 @@ mod tests {
                 .0;
         }
         model
-    }
-
-    fn max_diff(a: &[f32], b: &[f32]) -> f32 {
-        a.iter()
-            .zip(b)
-            .map(|(x, y)| (x - y).abs())
-            .fold(0.0, f32::max)
     }
 
     #[test]
