@@ -229,9 +229,8 @@ pub fn fit<B: AutodiffBackend>(
             ..saved
         };
         // A run resumed under another precision keeps (or starts) only the scaler it needs.
-        if LossScale::for_precision(cfg.train.precision).is_none() {
-            state.loss_scale = None;
-        }
+        state.loss_scale = LossScale::for_precision(cfg.train.precision)
+            .map(|fresh| state.loss_scale.unwrap_or(fresh));
         run.elapsed_before = state.elapsed_s;
         run.write_s_before = state.checkpoint_write_s;
         run.progress.println(&format!(

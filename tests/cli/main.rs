@@ -711,3 +711,19 @@ fn mixed_precision_trains_close_to_fp32() {
         }
     }
 }
+
+#[test]
+fn an_fp32_run_resumed_in_fp16_starts_its_loss_scale() {
+    let out = tempdir("resume-fp16");
+    train(&out, &["train.epochs=2", "train.max_steps=5"]).success();
+    let run = run_dir(&out);
+    Output::of(
+        kiln()
+            .args(["train", "--config", DEBUG_TOML, "--set", "train.epochs=2"])
+            .args(["--set", "train.precision=fp16", "--resume"])
+            .arg(&run),
+    )
+    .success()
+    .stderr_has("resuming with train.precision changed");
+    assert_eq!(summary(&run)["loss_scale"], 65536.0);
+}
