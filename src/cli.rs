@@ -171,6 +171,9 @@ pub struct BenchArgs {
     /// Kernel autotuning (`train.autotune`): fast, balanced, extensive or full.
     #[arg(long)]
     pub autotune: Option<String>,
+    /// Arithmetic (`train.precision`): fp32, bf16 or fp16.
+    #[arg(long)]
+    pub precision: Option<String>,
     /// Which GPUs (`devices.use`): `all`, `auto`, or logical indices like `0,1`.
     #[arg(long, value_name = "GPUS")]
     pub devices: Option<String>,

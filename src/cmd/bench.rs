@@ -44,6 +44,9 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     if let Some(level) = &args.autotune {
         sets.push(format!("train.autotune={level}"));
     }
+    if let Some(precision) = &args.precision {
+        sets.push(format!("train.precision={precision}"));
+    }
     let config: Config = match &args.config {
         Some(path) => config::load(path, &sets)?,
         None => config::load_str(BASE, "kiln bench defaults", &sets)?,
@@ -74,15 +77,17 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         DevicePlan::Cpu { .. } => None,
     };
     let device = plan.device_names().join(", ");
+    let precision = format!("{:?}", config.train.precision).to_lowercase();
     if args.json {
         let mut doc = serde_json::to_value(&report)?;
         doc["device"] = device.into();
         doc["memory_in_use_mib"] = memory.into();
         doc["autotune"] = format!("{:?}", config.train.autotune).to_lowercase().into();
+        doc["precision"] = precision.into();
         println!("{}", serde_json::to_string(&doc)?);
     } else {
         println!(
-            "kiln bench: {} {}px batch {} ({} per device) on {device}",
+            "kiln bench: {} {}px batch {} ({} per device), {precision}, on {device}",
             report.model,
             report.image_size,
             report.batch,

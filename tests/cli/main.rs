@@ -660,10 +660,12 @@ fn bench_reports_throughput_as_json_and_as_text() {
     assert_eq!(doc["devices"], 1);
     assert!(doc["img_per_s"].as_f64().unwrap() > 0.0);
     assert!(doc["breakdown"]["backward_ms"].as_f64().unwrap() > 0.0);
-    Output::of(kiln().args(args))
+    assert_eq!(doc["precision"], "fp32");
+    Output::of(kiln().args(args).args(["--precision", "fp16"]))
         .success()
         .stdout_has("throughput")
-        .stdout_has("synced phases");
+        .stdout_has("synced phases")
+        .stdout_has("fp16");
 }
 
 /// Every epoch's train loss and the final test loss, as written (f64 in summary.json).
