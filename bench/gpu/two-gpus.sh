@@ -12,7 +12,9 @@
 #   1 caches  2 ResNet-18 on 1 and 2 GPUs  3 device layer  4 default config on 2 GPUs,
 #   GPU failure, kill -9  5 sweeps  6 ResNet-50 on 1 and 2 GPUs  7 loading study
 #   8 the default config on one GPU (accuracy, checkpoint share)  9 bf16, determinism and
-#   kernel profile beside phase 8. Phases run in the order PHASES lists them.
+#   kernel profile beside phase 8  M bf16 and fp16 default config to the end  P kernel
+#   profile. Phases run in the order PHASES lists them. Chain the watch calls at once:
+#   a machine left idle for 30 s between calls is handed back with everything on it.
 set -u
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 RES=/tmp/res; mkdir -p "$RES" /tmp/kc /tmp/runs
@@ -234,6 +236,22 @@ phase9() {
     BT=700 bench r18-1-bf16-cold "${R18[@]}" --devices 1 --set train.precision=bf16
     bench r18-1-bf16 "${R18[@]}" --devices 1 --set train.precision=bf16 ) & local b=$!
   wait $a $b
+}
+# Phase M, mixed precision to the end (issue 10): the default config in bf16 on GPU 0
+# and in fp16 on GPU 1 side by side (each compiles its own kernels first, about 7
+# minutes cold), then the ResNet-18 bench in fp16.
+phaseM() {
+  local p g pids=()
+  for p in bf16 fp16; do
+    g=$([ $p = bf16 ] && echo 0 || echo 1)
+    ( timeout 1100 "$K" train "${FM[@]}" --devices $g --output /tmp/runs/$p --set train.precision=$p \
+        > "$RES/fmnist-$p.log" 2>&1
+      echo "exit $?" >> "$RES/fmnist-$p.log"
+      cp /tmp/runs/$p/*/summary.json "$RES/$p-summary.json"; cp /tmp/runs/$p/*/metrics.csv "$RES/$p-metrics.csv"
+      log "fmnist $p done" ) & pids+=($!)
+  done
+  wait "${pids[@]}"
+  bench r18-1-fp16 "${R18[@]}" --devices 1 --precision fp16
 }
 phaseP() { profile 0; }
 for p in ${PHASES//,/ }; do log "phase $p"; "phase$p"; done
