@@ -2,41 +2,12 @@
 //! (Burn's optimizer clipping works per parameter tensor.) The scale is computed on
 //! the device, so clipping adds no host synchronisation.
 
-use burn::module::{AutodiffModule, ModuleVisitor, Param};
+use burn::module::AutodiffModule;
 use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
-use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::backend::AutodiffBackend;
 
-struct SquaredNorm<'a, B: Backend> {
-    grads: &'a GradientsParams,
-    sum: Option<Tensor<B, 1>>,
-}
-
-impl<B: AutodiffBackend> ModuleVisitor<B> for SquaredNorm<'_, B::InnerBackend> {
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        if let Some(g) = self.grads.get::<B::InnerBackend, D>(param.id) {
-            let s = g.square().sum();
-            self.sum = Some(match self.sum.take() {
-                Some(acc) => acc + s,
-                None => s,
-            });
-        }
-    }
-}
-
-struct Scale<'a, B: Backend> {
-    grads: &'a mut GradientsParams,
-    factor: Tensor<B, 1>,
-}
-
-impl<B: AutodiffBackend> ModuleVisitor<B> for Scale<'_, B::InnerBackend> {
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        if let Some(g) = self.grads.remove::<B::InnerBackend, D>(param.id) {
-            let f = self.factor.clone().reshape([1; D]);
-            self.grads.register::<B::InnerBackend, D>(param.id, g * f);
-        }
-    }
-}
+use super::grads::{map_each, sum_each};
 
 /// Scales `grads` so their global norm is at most `max_norm`; returns the norm before
 /// clipping, as a device tensor (read it only when logging).
@@ -45,9 +16,7 @@ pub fn clip_global_norm<B: AutodiffBackend, M: AutodiffModule<B>>(
     grads: &mut GradientsParams,
     max_norm: f64,
 ) -> Option<Tensor<B::InnerBackend, 1>> {
-    let mut norm = SquaredNorm::<B::InnerBackend> { grads, sum: None };
-    model.visit(&mut norm);
-    let total = norm.sum?.sqrt();
+    let total = sum_each::<B, M>(model, grads, |g| g.square().sum())?.sqrt();
     // min(1, max_norm / (norm + 1e-6)), as PyTorch.
     let factor = total
         .clone()
@@ -55,7 +24,6 @@ pub fn clip_global_norm<B: AutodiffBackend, M: AutodiffModule<B>>(
         .recip()
         .mul_scalar(max_norm)
         .clamp_max(1.0);
-    let mut scale = Scale::<B::InnerBackend> { grads, factor };
-    model.visit(&mut scale);
+    map_each::<B, M>(model, grads, |g| g * factor.clone());
     Some(total)
 }

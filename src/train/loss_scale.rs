@@ -5,12 +5,13 @@
 //! halves; after `GROWTH_INTERVAL` good steps in a row it doubles. The state is part of
 //! every checkpoint (`TrainState::loss_scale`).
 
-use burn::module::{AutodiffModule, ModuleVisitor, Param};
+use burn::module::AutodiffModule;
 use burn::optim::GradientsParams;
-use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{ElementConversion, Tensor};
+use burn::tensor::ElementConversion;
+use burn::tensor::backend::AutodiffBackend;
 use serde::{Deserialize, Serialize};
 
+use super::grads::{map_each, sum_each};
 use crate::config::Precision;
 
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -55,37 +56,6 @@ impl LossScale {
     }
 }
 
-struct Sum<'a, B: Backend> {
-    grads: &'a GradientsParams,
-    sum: Option<Tensor<B, 1>>,
-}
-
-impl<B: AutodiffBackend> ModuleVisitor<B> for Sum<'_, B::InnerBackend> {
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        if let Some(g) = self.grads.get::<B::InnerBackend, D>(param.id) {
-            let s = g.sum();
-            self.sum = Some(match self.sum.take() {
-                Some(acc) => acc + s,
-                None => s,
-            });
-        }
-    }
-}
-
-struct Divide<'a> {
-    grads: &'a mut GradientsParams,
-    scale: f64,
-}
-
-impl<B: AutodiffBackend> ModuleVisitor<B> for Divide<'_> {
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        if let Some(g) = self.grads.remove::<B::InnerBackend, D>(param.id) {
-            let g = g.div_scalar(self.scale);
-            self.grads.register::<B::InnerBackend, D>(param.id, g);
-        }
-    }
-}
-
 /// Divides `grads` by `scale` and says whether they are all finite (one device
 /// synchronisation). An inf or NaN anywhere makes the sum of all gradients non-finite;
 /// so does a sum beyond f32's range, which is an overflow worth skipping too.
@@ -94,14 +64,12 @@ pub fn unscale<B: AutodiffBackend, M: AutodiffModule<B>>(
     grads: &mut GradientsParams,
     scale: f64,
 ) -> bool {
-    let mut sum = Sum::<B::InnerBackend> { grads, sum: None };
-    model.visit(&mut sum);
-    let finite = match sum.sum {
+    let finite = match sum_each::<B, M>(model, grads, |g| g.sum()) {
         Some(s) => s.into_scalar().elem::<f64>().is_finite(),
         None => true,
     };
     if finite {
-        model.visit(&mut Divide { grads, scale });
+        map_each::<B, M>(model, grads, |g| g.div_scalar(scale));
     }
     finite
 }
@@ -115,7 +83,8 @@ mod tests {
     use crate::test_util::{TestBackend, device, floats, max_diff, rng_lock};
     use crate::train::optim::Optim;
     use crate::train::step::train_step;
-    use burn::tensor::Distribution;
+    use burn::tensor::backend::Backend;
+    use burn::tensor::{Distribution, Tensor};
 
     /// The tiny ResNet after one SGD step on 8 random images with loss scale `scale`,
     /// its parameters before, and whether the step was taken.

@@ -181,7 +181,6 @@ pub fn fit<B: AutodiffBackend>(
     let mut model = spec.init::<B>(&device).with_precision(cfg.train.precision);
     let mut optim = Optim::<ResNet<B>, B>::new(&cfg.optim);
     let mut state = TrainState::new(spec, job.dataset.classes.clone(), job.devices.clone());
-    state.loss_scale = LossScale::for_precision(cfg.train.precision);
     state.config_sha256 = cfg.training_hash();
     let store = Store::new(&job.run_dir);
     let mut run = Run {
@@ -228,9 +227,6 @@ pub fn fit<B: AutodiffBackend>(
             config_sha256: state.config_sha256.clone(),
             ..saved
         };
-        // A run resumed under another precision keeps (or starts) only the scaler it needs.
-        state.loss_scale = LossScale::for_precision(cfg.train.precision)
-            .map(|fresh| state.loss_scale.unwrap_or(fresh));
         run.elapsed_before = state.elapsed_s;
         run.write_s_before = state.checkpoint_write_s;
         run.progress.println(&format!(
@@ -241,6 +237,10 @@ pub fn fit<B: AutodiffBackend>(
             state.step
         ));
     }
+    // fp16 needs a loss scale: a resumed run keeps its own, a new run (or one resumed
+    // from fp32 or bf16) starts one; other precisions drop it.
+    state.loss_scale = LossScale::for_precision(cfg.train.precision)
+        .map(|fresh| state.loss_scale.unwrap_or(fresh));
 
     let (train, test) = job
         .dataset
