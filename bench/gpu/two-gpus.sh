@@ -13,8 +13,9 @@
 #   GPU failure, kill -9  5 sweeps  6 ResNet-50 on 1 and 2 GPUs  7 loading study
 #   8 the default config on one GPU (accuracy, checkpoint share)  9 bf16, determinism and
 #   kernel profile beside phase 8  M bf16 and fp16 default config to the end  P kernel
-#   profile. Phases run in the order PHASES lists them. Chain the watch calls at once:
-#   a machine left idle for 30 s between calls is handed back with everything on it.
+#   profile  A the fifth session's runs (see phaseA). Phases run in the order PHASES
+#   lists them. Chain the watch calls at once: a machine left idle for 30 s between
+#   calls is handed back with everything on it.
 set -u
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 RES=/tmp/res; mkdir -p "$RES" /tmp/kc /tmp/runs
@@ -252,6 +253,39 @@ phaseM() {
   done
   wait "${pids[@]}"
   bench r18-1-fp16 "${R18[@]}" --devices 1 --precision fp16
+}
+# Phase A, everything whose speed is not the point, at once (fifth session): the default
+# config to the end in bf16 (GPU 0), fp16 (GPU 1) and fp32 on both GPUs (issues 10 and 3),
+# while the cold ResNet-50 and fp16 ResNet-18 benches compile their kernels (the
+# compilers run on the CPU; their timed figures are discarded). Then, alone on the
+# GPUs, the timed benches those kernels serve, PyTorch beside them.
+phaseA() {
+  { python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version())"
+    find / -xdev -name 'libcudnn*.so*' 2>/dev/null | head -n 20; nvidia-smi | head -n 4; } > "$RES/cudnn-probe.txt" 2>&1
+  local p g pids=()
+  for p in bf16 fp16; do
+    g=$([ $p = bf16 ] && echo 0 || echo 1)
+    ( timeout 1500 "$K" train "${FM[@]}" --devices $g --output /tmp/runs/$p --set train.precision=$p \
+        > "$RES/fmnist-$p.log" 2>&1
+      echo "exit $?" >> "$RES/fmnist-$p.log"
+      cp /tmp/runs/$p/*/summary.json "$RES/$p-summary.json"; cp /tmp/runs/$p/*/metrics.csv "$RES/$p-metrics.csv"
+      log "fmnist $p done" ) & pids+=($!)
+  done
+  ( timeout 1500 "$K" train "${FM[@]}" --devices 0,1 --output /tmp/runs/two > "$RES/fmnist-2gpu.log" 2>&1
+    echo "exit $?" >> "$RES/fmnist-2gpu.log"
+    cp /tmp/runs/two/*/summary.json "$RES/two-summary.json"; cp /tmp/runs/two/*/metrics.csv "$RES/two-metrics.csv"
+    log "fmnist 2 gpus done" ) & pids+=($!)
+  R50=(--model resnet50 --image-size 224 --batch 128 --steps 20 --warmup 5)
+  ( BT=1200 bench r50-cold "${R50[@]}" --devices 0 ) & pids+=($!)
+  ( BT=900 bench r18-1-fp16-cold "${R18[@]}" --devices 1 --precision fp16 ) & pids+=($!)
+  wait "${pids[@]}"
+  share_autotune
+  bench r18-1-fp16 "${R18[@]}" --devices 1 --precision fp16
+  CUDA_VISIBLE_DEVICES=1 torch r18-1-fp16 1 "${R18[@]}" --precision fp16
+  bench r50-1 "${R50[@]}" --devices 0
+  bench r50-2ddp "${R50[@]}" --devices 0,1
+  CUDA_VISIBLE_DEVICES=0 torch r50-1 1 "${R50[@]}"
+  torch r50-2 2 "${R50[@]}"
 }
 phaseP() { profile 0; }
 for p in ${PHASES//,/ }; do log "phase $p"; "phase$p"; done
