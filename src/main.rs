@@ -7,6 +7,7 @@ mod data;
 mod device;
 mod exit;
 mod model;
+mod ops;
 mod report;
 mod run;
 mod sweep;

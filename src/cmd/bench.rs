@@ -58,7 +58,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     config.train.batch_size = args.batch * devices;
     config.data.synthetic_train_size = args.batch * devices;
     let dataset = crate::data::open(&config.data, config.train.seed)?;
-    let kernels = super::kernel_settings(&config);
+    let kernels = super::kernel_settings(&config, &plan)?;
     let report = with_training_backend(
         &plan,
         &kernels,
@@ -84,6 +84,9 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         doc["memory_in_use_mib"] = memory.into();
         doc["autotune"] = format!("{:?}", config.train.autotune).to_lowercase().into();
         doc["precision"] = precision.into();
+        doc["convolution"] = format!("{:?}", config.train.convolution)
+            .to_lowercase()
+            .into();
         println!("{}", serde_json::to_string(&doc)?);
     } else {
         println!(

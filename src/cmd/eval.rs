@@ -37,7 +37,7 @@ pub fn run(args: EvalArgs) -> anyhow::Result<ExitCode> {
     );
     let images = loader.num_images();
     let step = state.step;
-    let kernels = super::kernel_settings(&config);
+    let kernels = super::kernel_settings(&config, &plan)?;
     let (loss, acc) = with_backend(
         &plan,
         &kernels,

@@ -24,12 +24,50 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     }
 }
 
-/// Where kernels are cached and how they are tuned, from the config.
-fn kernel_settings(config: &crate::config::Config) -> crate::train::backend::KernelSettings {
-    crate::train::backend::KernelSettings {
+/// Where kernels are cached, how they are tuned and which convolutions cuDNN runs,
+/// from the config and the plan (cuDNN is looked for on the first GPU).
+fn kernel_settings(
+    config: &crate::config::Config,
+    plan: &crate::device::DevicePlan,
+) -> anyhow::Result<crate::train::backend::KernelSettings> {
+    use crate::config::{Convolution, Precision};
+    use crate::train::backend::{CudnnRoute, probe_cudnn};
+    let choice = config.train.convolution;
+    let cudnn = match plan {
+        crate::device::DevicePlan::Cuda { gpus, .. } if choice != Convolution::Burn => {
+            match (probe_cudnn(gpus[0].ordinal), choice) {
+                (Ok(version), Convolution::Cudnn) => {
+                    eprintln!("kiln: convolutions: cuDNN {version}");
+                    CudnnRoute::All
+                }
+                (Ok(version), _) => {
+                    let low = config.train.precision != Precision::Fp32;
+                    let note = if low {
+                        " for fp32; bf16/fp16 on Burn's kernels, faster there"
+                    } else {
+                        ""
+                    };
+                    eprintln!("kiln: convolutions: cuDNN {version}{note}");
+                    CudnnRoute::Fp32
+                }
+                (Err(why), Convolution::Cudnn) => anyhow::bail!(
+                    "train.convolution = \"cudnn\" but cuDNN cannot be used: {why}. Install cuDNN 9 \
+                     (e.g. `pip install nvidia-cudnn-cu12`) and add its lib directory to \
+                     LD_LIBRARY_PATH, or set train.convolution = \"auto\" or \"burn\""
+                ),
+                (Err(why), _) => {
+                    eprintln!("kiln: convolutions: Burn's kernels (cuDNN: {why})");
+                    CudnnRoute::None
+                }
+            }
+        }
+        _ => CudnnRoute::None,
+    };
+    Ok(crate::train::backend::KernelSettings {
         cache_dir: crate::device::kernel_cache_dir(&config.devices.cache_dir),
         autotune: config.train.autotune,
-    }
+        cudnn,
+    })
 }
 
 /// Applies `devices.visible`, probes the driver and NVML, and resolves `[devices]`,

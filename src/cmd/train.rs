@@ -115,7 +115,7 @@ fn train_here(args: TrainArgs) -> anyhow::Result<ExitCode> {
     eprintln!("kiln: run dir: {}", run_dir.display());
 
     let interrupt = install_signal_handler();
-    let kernels = super::kernel_settings(&config);
+    let kernels = super::kernel_settings(&config, &plan)?;
     let job = TrainJob {
         config: resolved,
         dataset,

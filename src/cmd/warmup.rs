@@ -21,7 +21,7 @@ pub fn run(args: WarmupArgs) -> anyhow::Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
     let dataset = crate::data::open(&config.data, config.train.seed)?;
-    let kernels = super::kernel_settings(&config);
+    let kernels = super::kernel_settings(&config, &plan)?;
     let ticker = Ticker::start(
         "warmup: compiling kernels and autotuning".into(),
         kernels.cache_dir.clone(),

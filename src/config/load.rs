@@ -297,6 +297,19 @@ mod tests {
     }
 
     #[test]
+    fn convolution_kernels_default_to_auto_and_a_typo_lists_the_choices() {
+        use crate::config::Convolution;
+        let c = load_str("", "t.toml", &[]).unwrap();
+        assert_eq!(c.train.convolution, Convolution::Auto);
+        let c = load_str("[train]\nconvolution = \"burn\"\n", "t.toml", &[]).unwrap();
+        assert_eq!(c.train.convolution, Convolution::Burn);
+        let msg = load_str("", "t.toml", &sets(&["train.convolution=cudn"]))
+            .unwrap_err()
+            .to_string();
+        assert!(msg.contains("cudnn") && msg.contains("burn"), "{msg}");
+    }
+
+    #[test]
     fn range_error_names_key_value_and_allowed() {
         let msg = load_str(
             "",

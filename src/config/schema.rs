@@ -179,6 +179,21 @@ pub enum Autotune {
     Full,
 }
 
+/// Which kernels run convolutions on CUDA (forward and both gradients).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Convolution {
+    /// cuDNN for fp32 convolutions when it can be loaded (`libcudnn.so.9` on the
+    /// library path), otherwise Burn's kernels, with a note saying why. bf16 and fp16
+    /// convolutions stay on Burn's kernels, which measured faster than cuDNN's on NCHW.
+    Auto,
+    /// cuDNN for every precision, or an error before training starts when it cannot
+    /// be loaded.
+    Cudnn,
+    /// Burn's own implicit-GEMM kernels.
+    Burn,
+}
+
 /// Number format of the training arithmetic.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -238,6 +253,8 @@ pub struct TrainConfig {
     pub hang_timeout_s: f64,
     /// Kernel autotuning on CUDA; ignored on the CPU.
     pub autotune: Autotune,
+    /// Convolution kernels on CUDA: `auto`, `cudnn` or `burn`; the CPU runs Burn's.
+    pub convolution: Convolution,
     /// Relative share of each global batch per device, in the order of the devices
     /// used (e.g. `[3, 1]`); empty: equal shares. Only with several devices.
     pub device_weights: Vec<f64>,
@@ -275,6 +292,7 @@ impl Default for TrainConfig {
             log_every_steps: 100,
             hang_timeout_s: 0.0,
             autotune: Autotune::Balanced,
+            convolution: Convolution::Auto,
             device_weights: Vec::new(),
             precision: Precision::Fp32,
             strategy: Strategy::Ddp,

@@ -1,6 +1,7 @@
 //! Residual blocks: the basic two-3x3 block (ResNet-18/34 and the CIFAR ResNets) and
 //! the 1x1-3x3-1x1 bottleneck (ResNet-50, stride on the 3x3 as torchvision's v1.5).
 
+use crate::ops::ConvBackend;
 use burn::module::Module;
 use burn::nn::conv::{Conv2d, Conv2dConfig};
 use burn::nn::{BatchNorm, BatchNormConfig, Initializer, PaddingConfig2d};
@@ -46,7 +47,7 @@ pub struct Projection<B: Backend> {
     bn: BatchNorm<B>,
 }
 
-impl<B: Backend> Projection<B> {
+impl<B: ConvBackend> Projection<B> {
     fn new(cin: usize, cout: usize, stride: usize, device: &B::Device) -> Self {
         Projection {
             conv: conv(cin, cout, 1, stride, device),
@@ -60,7 +61,7 @@ impl<B: Backend> Projection<B> {
 }
 
 /// Shortcut: identity when shapes match, else a projection.
-fn shortcut<B: Backend>(
+fn shortcut<B: ConvBackend>(
     cin: usize,
     cout: usize,
     stride: usize,
@@ -78,7 +79,7 @@ pub struct Basic<B: Backend> {
     shortcut: Option<Projection<B>>,
 }
 
-impl<B: Backend> Basic<B> {
+impl<B: ConvBackend> Basic<B> {
     pub fn new(cin: usize, cout: usize, stride: usize, device: &B::Device) -> Self {
         Basic {
             conv1: conv(cin, cout, 3, stride, device),
@@ -112,7 +113,7 @@ pub struct Bottleneck<B: Backend> {
     shortcut: Option<Projection<B>>,
 }
 
-impl<B: Backend> Bottleneck<B> {
+impl<B: ConvBackend> Bottleneck<B> {
     /// `width` is the 3x3 convolution's channel count; the block outputs `4 * width`.
     pub fn new(cin: usize, width: usize, stride: usize, device: &B::Device) -> Self {
         let cout = width * 4;
@@ -149,7 +150,7 @@ pub enum Block<B: Backend> {
     Bottleneck(Bottleneck<B>),
 }
 
-impl<B: Backend> Block<B> {
+impl<B: ConvBackend> Block<B> {
     pub fn forward(&self, x: Tensor<B, 4>, p: Precision) -> Tensor<B, 4> {
         match self {
             Block::Basic(b) => b.forward(x, p),

@@ -8,11 +8,12 @@
 use burn::nn::conv::Conv2d;
 use burn::nn::{Linear, PaddingConfig2d};
 use burn::tensor::backend::Backend;
-use burn::tensor::module::{conv2d, linear};
+use burn::tensor::module::linear;
 use burn::tensor::ops::ConvOptions;
 use burn::tensor::{FloatDType, Tensor};
 
 use crate::config::Precision;
+use crate::ops::{ConvBackend, conv2d};
 
 /// The dtype convolutions and matmuls compute in; `None` for fp32 (Burn's own path,
 /// TF32 on the tensor cores).
@@ -24,11 +25,13 @@ pub fn compute_dtype(precision: Precision) -> Option<FloatDType> {
     }
 }
 
-/// `conv.forward(x)` with the arithmetic in `precision`; the result has `x`'s dtype.
-pub fn conv<B: Backend>(conv: &Conv2d<B>, x: Tensor<B, 4>, precision: Precision) -> Tensor<B, 4> {
-    let Some(low) = compute_dtype(precision) else {
-        return conv.forward(x);
-    };
+/// `conv.forward(x)` with the arithmetic in `precision`, through [`ConvBackend`] (on
+/// CUDA, cuDNN where `train.convolution` allows); the result has `x`'s dtype.
+pub fn conv<B: ConvBackend>(
+    conv: &Conv2d<B>,
+    x: Tensor<B, 4>,
+    precision: Precision,
+) -> Tensor<B, 4> {
     // kiln builds every convolution without bias and with symmetric explicit padding
     // (block::conv); anything else would need Burn's padding arithmetic, which is private.
     let PaddingConfig2d::Explicit(top, left, bottom, right) = conv.padding else {
@@ -36,8 +39,11 @@ pub fn conv<B: Backend>(conv: &Conv2d<B>, x: Tensor<B, 4>, precision: Precision)
     };
     debug_assert!(top == bottom && left == right && conv.bias.is_none());
     let options = ConvOptions::new(conv.stride, [top, left], conv.dilation, conv.groups);
+    let Some(low) = compute_dtype(precision) else {
+        return conv2d(x, conv.weight.val(), options);
+    };
     let dtype = x.dtype();
-    conv2d(x.cast(low), conv.weight.val().cast(low), None, options).cast(dtype)
+    conv2d(x.cast(low), conv.weight.val().cast(low), options).cast(dtype)
 }
 
 /// `fc.forward(x)` with the matmul in `precision`; the bias is added in `x`'s dtype.

@@ -1,5 +1,6 @@
 //! The ResNet network: stem, residual stages, global average pool, classifier.
 
+use crate::ops::ConvBackend;
 use burn::module::Module;
 use burn::nn::conv::Conv2d;
 use burn::nn::pool::{AdaptiveAvgPool2d, AdaptiveAvgPool2dConfig, MaxPool2d, MaxPool2dConfig};
@@ -46,7 +47,7 @@ impl ModelSpec {
         }
     }
 
-    pub fn init<B: Backend>(&self, device: &B::Device) -> ResNet<B> {
+    pub fn init<B: ConvBackend>(&self, device: &B::Device) -> ResNet<B> {
         let l = layout(self.arch);
         let (stem_conv, stem_pool) = match self.stem {
             Stem::Imagenet => {
@@ -107,7 +108,7 @@ pub struct ResNet<B: Backend> {
     precision: Precision,
 }
 
-impl<B: Backend> ResNet<B> {
+impl<B: ConvBackend> ResNet<B> {
     /// The same network computing its convolutions and classifier in `precision`
     /// (`train.precision`; see `model::precision`).
     pub fn with_precision(mut self, precision: Precision) -> Self {

@@ -6,12 +6,13 @@
 
 use std::path::PathBuf;
 
+pub use crate::ops::CudnnRoute;
+use crate::ops::TrainBackend;
 use burn::backend::Autodiff;
 use burn::backend::autodiff::checkpoint::strategy::{
     BalancedCheckpointing, CheckpointStrategy, NoCheckpointing,
 };
 use burn::backend::flex::{Flex, FlexDevice};
-use burn::tensor::backend::AutodiffBackend;
 
 use crate::config::Autotune;
 use crate::device::DevicePlan;
@@ -23,12 +24,28 @@ pub struct KernelSettings {
     pub cache_dir: PathBuf,
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub autotune: Autotune,
+    /// Which convolutions run on cuDNN (after [`probe_cudnn`] succeeded) instead of
+    /// Burn's kernels.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub cudnn: CudnnRoute,
+}
+
+/// cuDNN's version if it can be loaded and plan a convolution on GPU `ordinal`, else
+/// why not.
+pub fn probe_cudnn(ordinal: usize) -> Result<String, String> {
+    #[cfg(feature = "cuda")]
+    return crate::ops::cudnn::probe(ordinal);
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = ordinal;
+        Err("kiln was built without CUDA".into())
+    }
 }
 
 /// Work that runs on whichever backend the plan picks.
 pub trait BackendJob {
     type Output;
-    fn run<B: AutodiffBackend>(self, devices: Vec<B::Device>) -> Self::Output;
+    fn run<B: TrainBackend>(self, devices: Vec<B::Device>) -> Self::Output;
 }
 
 pub fn with_backend<J: BackendJob>(
@@ -110,6 +127,7 @@ mod cuda {
                 Autotune::Full => AutotuneLevel::Full,
             };
             CubeClRuntimeConfig::set(cfg);
+            crate::ops::cudnn::set_route(kernels.cudnn);
         });
     }
 }
@@ -139,7 +157,7 @@ mod tests {
     use crate::train::step::train_step;
 
     /// Parameters and BatchNorm statistics after three SGD steps of the tiny ResNet.
-    fn trained<B: AutodiffBackend<Device = FlexDevice>>(batches: &[Batch]) -> Vec<f32> {
+    fn trained<B: TrainBackend<Device = FlexDevice>>(batches: &[Batch]) -> Vec<f32> {
         let cfg = Config::default();
         B::seed(&FlexDevice, 3);
         let mut model: ResNet<B> =

@@ -4,10 +4,10 @@
 //! phase. With several devices the global batch is `batch x devices`, split by the
 //! data-parallel learner.
 
+use crate::ops::TrainBackend;
 use std::time::Instant;
 
 use burn::optim::GradientsParams;
-use burn::tensor::backend::AutodiffBackend;
 use serde::Serialize;
 
 use super::backend::BackendJob;
@@ -69,7 +69,7 @@ pub struct BenchReport {
 impl BackendJob for BenchJob {
     type Output = Result<BenchReport, ReplicaError>;
 
-    fn run<B: AutodiffBackend>(self, devices: Vec<B::Device>) -> Self::Output {
+    fn run<B: TrainBackend>(self, devices: Vec<B::Device>) -> Self::Output {
         let device = devices[0].clone();
         let cfg = &self.config;
         let shape = self.dataset.shape();
@@ -172,7 +172,7 @@ impl BackendJob for BenchJob {
     }
 }
 
-fn breakdown<B: AutodiffBackend>(
+fn breakdown<B: TrainBackend>(
     mut model: ResNet<B>,
     optim: &mut Optim<ResNet<B>, B>,
     batch: &Batch,

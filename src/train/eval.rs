@@ -1,8 +1,7 @@
 //! `kiln eval`: a saved model on a dataset split, BatchNorm in inference mode.
 
+use crate::ops::TrainBackend;
 use std::path::PathBuf;
-
-use burn::tensor::backend::AutodiffBackend;
 
 use super::backend::BackendJob;
 use super::checkpoint::{self, CheckpointError};
@@ -19,7 +18,7 @@ pub struct EvalJob {
 impl BackendJob for EvalJob {
     type Output = Result<(f64, f64), TrainError>;
 
-    fn run<B: AutodiffBackend>(self, devices: Vec<B::Device>) -> Self::Output {
+    fn run<B: TrainBackend>(self, devices: Vec<B::Device>) -> Self::Output {
         let device = devices
             .into_iter()
             .next()

@@ -2,6 +2,7 @@
 //! reports and checkpoints at their points. Each component decides its own "when";
 //! the loop only calls them.
 
+use crate::ops::TrainBackend;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -80,7 +81,7 @@ pub struct TrainJob {
 impl BackendJob for TrainJob {
     type Output = Result<(Outcome, TrainState), TrainError>;
 
-    fn run<B: AutodiffBackend>(self, devices: Vec<B::Device>) -> Self::Output {
+    fn run<B: TrainBackend>(self, devices: Vec<B::Device>) -> Self::Output {
         fit::<B>(self, devices)
     }
 }
@@ -145,7 +146,7 @@ impl Run<'_> {
 }
 
 /// Trains on `devices` (the first is the main device; several make a data-parallel run).
-pub fn fit<B: AutodiffBackend>(
+pub fn fit<B: TrainBackend>(
     job: TrainJob,
     devices: Vec<B::Device>,
 ) -> Result<(Outcome, TrainState), TrainError> {
@@ -470,7 +471,7 @@ pub fn fit<B: AutodiffBackend>(
 
 /// `model` with BatchNorm statistics averaged over the replicas (before evaluating or
 /// saving it).
-fn synced<B: AutodiffBackend>(
+fn synced<B: TrainBackend>(
     replicas: &mut Option<Replicas<B, ResNet<B>>>,
     model: ResNet<B>,
     step: u64,
@@ -624,7 +625,7 @@ fn check_finite(loss: f64, step: u64) -> Result<(), TrainError> {
 }
 
 /// Mean loss and accuracy of `model` over every batch of `loader`.
-pub fn evaluate<B: Backend>(
+pub fn evaluate<B: crate::ops::ConvBackend>(
     model: &ResNet<B>,
     loader: &Loader,
     device: &B::Device,

@@ -3,10 +3,10 @@
 //! of that config needs before the run starts (on a login node's GPU, say, or while
 //! other work waits).
 
+use crate::ops::TrainBackend;
 use std::time::Instant;
 
 use burn::module::AutodiffModule;
-use burn::tensor::backend::AutodiffBackend;
 
 use super::backend::BackendJob;
 use super::loss_scale::LossScale;
@@ -35,7 +35,7 @@ pub struct WarmupReport {
 impl BackendJob for WarmupJob {
     type Output = Result<WarmupReport, TrainError>;
 
-    fn run<B: AutodiffBackend>(self, devices: Vec<B::Device>) -> Self::Output {
+    fn run<B: TrainBackend>(self, devices: Vec<B::Device>) -> Self::Output {
         let cfg = &self.config;
         let device = devices[0].clone();
         B::seed(&device, cfg.train.seed);

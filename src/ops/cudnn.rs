@@ -1,0 +1,530 @@
+//! cuDNN's convolutions behind Burn's CUDA backend (`train.convolution`).
+//!
+//! Burn 0.21's implicit-GEMM convolutions were two thirds of a ResNet-18 step on an
+//! H200 (BENCHMARKS.md, "Where the time goes"). cuDNN is loaded at run time (cudarc's
+//! bindings, cuDNN 9); where it is missing, or refuses a shape, Burn's kernels run.
+//!
+//! cubecl keeps its CUDA streams private, so a cuDNN call cannot be queued behind the
+//! kernels that produce its inputs. Instead it waits for this thread's cubecl stream
+//! (`client.sync()`), runs on a stream of its own, and waits for that stream before
+//! handing the result back: two host synchronisations per call, and buffers that
+//! cannot be reused under a running kernel.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::collections::hash_map::Entry;
+use std::ffi::c_void;
+use std::mem::MaybeUninit;
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::{Mutex, OnceLock};
+
+use burn::cubecl::cuda::CudaRuntime;
+use burn::cubecl::future::block_on;
+use burn::cubecl::server::Handle;
+use burn::tensor::ops::conv::calculate_conv_output_size;
+use burn::tensor::ops::{ConvOptions, FloatTensor, ModuleOps};
+use burn::tensor::{DType, Shape};
+use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::tensor::CubeTensor;
+use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
+use cudarc::cudnn::{result as dnn, sys};
+use cudarc::driver::{result as drv, sys as dsys};
+
+use super::{ConvBackend, CudnnRoute, Part};
+
+type Tensor = CubeTensor<CudaRuntime>;
+
+/// The most workspace one convolution gets; an algorithm that asks for more is passed
+/// over for cuDNN's next proposal.
+const MAX_WORKSPACE: usize = 1 << 30;
+
+static ROUTE: AtomicU8 = AtomicU8::new(0);
+
+/// Routes the CUDA backend's convolutions (after [`probe`] succeeded). Set once,
+/// before training.
+pub fn set_route(route: CudnnRoute) {
+    ROUTE.store(route as u8, Ordering::Relaxed);
+}
+
+fn routed(dtype: DType) -> bool {
+    match ROUTE.load(Ordering::Relaxed) {
+        r if r == CudnnRoute::All as u8 => true,
+        r if r == CudnnRoute::Fp32 as u8 => dtype == DType::F32,
+        _ => false,
+    }
+}
+
+/// Whether cuDNN can be loaded and can plan a convolution on GPU `ordinal`: its
+/// version on success, what failed otherwise.
+pub fn probe(ordinal: usize) -> Result<String, String> {
+    // cudarc panics when the library is missing, so look for it first, by the names
+    // it will try.
+    let names = cudarc::get_lib_name_candidates("cudnn");
+    // SAFETY: loading cuDNN runs no initialisation code with preconditions.
+    let found = names
+        .iter()
+        .any(|n| unsafe { libloading::Library::new(n) }.is_ok());
+    if !found {
+        return Err("libcudnn.so.9 was not found on the library path".into());
+    }
+    let version = dnn::get_version();
+    if version < 90000 {
+        return Err(format!("cuDNN {version} is older than 9.0"));
+    }
+    // SAFETY: the version checks take no arguments; they load the convolution and
+    // operation sub-libraries, whose absence shows here rather than mid-training.
+    unsafe {
+        sys::cudnnCnnVersionCheck()
+            .result()
+            .map_err(|e| format!("cuDNN's convolution library: {e:?}"))?;
+        sys::cudnnOpsVersionCheck()
+            .result()
+            .map_err(|e| format!("cuDNN's operations library: {e:?}"))?;
+    }
+    with_dnn(ordinal, |dnn| {
+        // A small convolution planned end to end, as training will.
+        let descs = Descriptors::new(
+            Part::Forward,
+            sys::cudnnDataType_t::CUDNN_DATA_FLOAT,
+            [[8, 16, 32, 32], [16, 16, 3, 3], [8, 16, 32, 32]],
+            &ConvOptions::new([1, 1], [1, 1], [1, 1], 1),
+        )?;
+        choose(dnn, Part::Forward, &descs).map(|_| ())
+    })?;
+    Ok(format!(
+        "{}.{}.{}",
+        version / 10000,
+        version / 100 % 100,
+        version % 100
+    ))
+}
+
+/// One cuDNN handle and stream per thread and device: each replica's thread keeps
+/// its own, as cubecl keeps one stream per thread.
+struct Dnn {
+    ordinal: usize,
+    handle: sys::cudnnHandle_t,
+    stream: dsys::CUstream,
+    context: dsys::CUcontext,
+}
+
+thread_local! {
+    // Never destroyed: a thread ends with the process, when the context is going too.
+    static DNN: RefCell<HashMap<usize, Dnn>> = RefCell::new(HashMap::new());
+}
+
+fn with_dnn<T>(ordinal: usize, f: impl FnOnce(&Dnn) -> Result<T, String>) -> Result<T, String> {
+    DNN.with(|map| {
+        let mut map = map.borrow_mut();
+        let dnn = match map.entry(ordinal) {
+            Entry::Occupied(e) => e.into_mut(),
+            Entry::Vacant(e) => e.insert(Dnn::new(ordinal)?),
+        };
+        // SAFETY: the context was retained by `Dnn::new` and is never released.
+        unsafe { drv::ctx::set_current(dnn.context) }.map_err(cuda)?;
+        f(dnn)
+    })
+}
+
+fn cuda(e: drv::DriverError) -> String {
+    format!("CUDA: {:?}", e.0)
+}
+
+impl Dnn {
+    fn new(ordinal: usize) -> Result<Self, String> {
+        drv::init().map_err(cuda)?;
+        let device = drv::device::get(ordinal as i32).map_err(cuda)?;
+        // SAFETY: cubecl works in the device's primary context; retaining it again only
+        // raises its reference count.
+        let context = unsafe { drv::primary_ctx::retain(device) }.map_err(cuda)?;
+        // SAFETY: a context just retained.
+        unsafe { drv::ctx::set_current(context) }.map_err(cuda)?;
+        let stream = drv::stream::create(drv::stream::StreamKind::NonBlocking).map_err(cuda)?;
+        let handle = dnn::create_handle().map_err(|e| format!("cudnnCreate: {e:?}"))?;
+        // SAFETY: both were just created in this context.
+        unsafe { dnn::set_stream(handle, stream as sys::cudaStream_t) }
+            .map_err(|e| format!("cudnnSetStream: {e:?}"))?;
+        Ok(Dnn {
+            ordinal,
+            handle,
+            stream,
+            context,
+        })
+    }
+}
+
+/// The descriptors of one call: input, filter and output shapes, and the
+/// convolution; destroyed on drop.
+struct Descriptors {
+    x: sys::cudnnTensorDescriptor_t,
+    w: sys::cudnnFilterDescriptor_t,
+    y: sys::cudnnTensorDescriptor_t,
+    conv: sys::cudnnConvolutionDescriptor_t,
+    /// Shapes, dtype and options: what the chosen algorithm depends on.
+    key: String,
+}
+
+impl Descriptors {
+    /// `dims`: input, filter, output (NCHW, KCRS, NKPQ).
+    fn new(
+        part: Part,
+        data: sys::cudnnDataType_t,
+        dims: [[i32; 4]; 3],
+        options: &ConvOptions<2>,
+    ) -> Result<Self, String> {
+        let err = |what: &str, e: dnn::CudnnError| format!("{what}: {e:?}");
+        let nchw = sys::cudnnTensorFormat_t::CUDNN_TENSOR_NCHW;
+        let mut d = Descriptors {
+            x: std::ptr::null_mut(),
+            w: std::ptr::null_mut(),
+            y: std::ptr::null_mut(),
+            conv: std::ptr::null_mut(),
+            key: format!("{part:?} {data:?} {dims:?} {options:?}"),
+        };
+        // Each is stored as soon as it exists, so Drop frees whatever was created.
+        d.x = dnn::create_tensor_descriptor().map_err(|e| err("tensor descriptor", e))?;
+        d.y = dnn::create_tensor_descriptor().map_err(|e| err("tensor descriptor", e))?;
+        d.w = dnn::create_filter_descriptor().map_err(|e| err("filter descriptor", e))?;
+        d.conv =
+            dnn::create_convolution_descriptor().map_err(|e| err("convolution descriptor", e))?;
+        let i = |v: usize| v as i32;
+        // SAFETY: all four descriptors were created above and are alive.
+        unsafe {
+            dnn::set_tensor4d_descriptor(d.x, nchw, data, dims[0]).map_err(|e| err("input", e))?;
+            dnn::set_filter4d_descriptor(d.w, data, nchw, dims[1]).map_err(|e| err("filter", e))?;
+            dnn::set_tensor4d_descriptor(d.y, nchw, data, dims[2]).map_err(|e| err("output", e))?;
+            // Half and bfloat16 data accumulate in f32, as PyTorch's autocast does.
+            dnn::set_convolution2d_descriptor(
+                d.conv,
+                i(options.padding[0]),
+                i(options.padding[1]),
+                i(options.stride[0]),
+                i(options.stride[1]),
+                i(options.dilation[0]),
+                i(options.dilation[1]),
+                sys::cudnnConvolutionMode_t::CUDNN_CROSS_CORRELATION,
+                sys::cudnnDataType_t::CUDNN_DATA_FLOAT,
+            )
+            .map_err(|e| err("convolution", e))?;
+            dnn::set_convolution_group_count(d.conv, i(options.groups))
+                .map_err(|e| err("groups", e))?;
+        }
+        Ok(d)
+    }
+}
+
+impl Drop for Descriptors {
+    fn drop(&mut self) {
+        // SAFETY: each pointer is either null (never created) or a live descriptor.
+        unsafe {
+            if !self.x.is_null() {
+                let _ = dnn::destroy_tensor_descriptor(self.x);
+            }
+            if !self.y.is_null() {
+                let _ = dnn::destroy_tensor_descriptor(self.y);
+            }
+            if !self.w.is_null() {
+                let _ = dnn::destroy_filter_descriptor(self.w);
+            }
+            if !self.conv.is_null() {
+                let _ = dnn::destroy_convolution_descriptor(self.conv);
+            }
+        }
+    }
+}
+
+/// An algorithm for one part of the convolution, with the math type cuDNN paired it
+/// with and its workspace.
+#[derive(Debug, Clone, Copy)]
+struct Plan {
+    algo: Algo,
+    math: sys::cudnnMathType_t,
+    workspace: usize,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Algo {
+    Forward(sys::cudnnConvolutionFwdAlgo_t),
+    GradX(sys::cudnnConvolutionBwdDataAlgo_t),
+    GradWeight(sys::cudnnConvolutionBwdFilterAlgo_t),
+}
+
+/// cuDNN's heuristic choice (what PyTorch uses without `cudnn.benchmark`): the first
+/// proposal that is supported and whose workspace fits, remembered per device and shape.
+fn choose(dnn: &Dnn, part: Part, d: &Descriptors) -> Result<Plan, String> {
+    static PLANS: OnceLock<Mutex<HashMap<(usize, String), Plan>>> = OnceLock::new();
+    let plans = PLANS.get_or_init(Default::default);
+    let key = (dnn.ordinal, d.key.clone());
+    if let Some(plan) = plans.lock().unwrap().get(&key) {
+        return Ok(*plan);
+    }
+    let ok = sys::cudnnStatus_t::CUDNN_STATUS_SUCCESS;
+    let err = |e: dnn::CudnnError| format!("choosing an algorithm for {}: {e:?}", d.key);
+    let mut count = 0;
+    // SAFETY: descriptors and handle are alive; cuDNN writes at most the requested
+    // number of (plain-data) results, `count` of which are read.
+    let proposals: Vec<(Algo, sys::cudnnMathType_t)> = unsafe {
+        match part {
+            Part::Forward => {
+                let mut r =
+                    [MaybeUninit::<sys::cudnnConvolutionFwdAlgoPerf_t>::zeroed().assume_init(); 16];
+                dnn::get_convolution_forward_algorithm(
+                    dnn.handle,
+                    d.x,
+                    d.w,
+                    d.conv,
+                    d.y,
+                    16,
+                    &mut count,
+                    r.as_mut_ptr(),
+                )
+                .map_err(err)?;
+                r[..count as usize]
+                    .iter()
+                    .filter(|p| p.status == ok)
+                    .map(|p| (Algo::Forward(p.algo), p.mathType))
+                    .collect()
+            }
+            Part::GradX => {
+                let mut r = [MaybeUninit::<sys::cudnnConvolutionBwdDataAlgoPerf_t>::zeroed()
+                    .assume_init(); 16];
+                dnn::get_convolution_backward_data_algorithm(
+                    dnn.handle,
+                    d.w,
+                    d.y,
+                    d.conv,
+                    d.x,
+                    16,
+                    &mut count,
+                    r.as_mut_ptr(),
+                )
+                .map_err(err)?;
+                r[..count as usize]
+                    .iter()
+                    .filter(|p| p.status == ok)
+                    .map(|p| (Algo::GradX(p.algo), p.mathType))
+                    .collect()
+            }
+            Part::GradWeight => {
+                let mut r = [MaybeUninit::<sys::cudnnConvolutionBwdFilterAlgoPerf_t>::zeroed()
+                    .assume_init(); 16];
+                dnn::get_convolution_backward_filter_algorithm(
+                    dnn.handle,
+                    d.x,
+                    d.y,
+                    d.conv,
+                    d.w,
+                    16,
+                    &mut count,
+                    r.as_mut_ptr(),
+                )
+                .map_err(err)?;
+                r[..count as usize]
+                    .iter()
+                    .filter(|p| p.status == ok)
+                    .map(|p| (Algo::GradWeight(p.algo), p.mathType))
+                    .collect()
+            }
+        }
+    };
+    for (algo, math) in proposals {
+        // SAFETY: as above; the math type is set before the workspace is asked for,
+        // since it changes the size.
+        let workspace = unsafe {
+            dnn::set_convolution_math_type(d.conv, math).map_err(err)?;
+            match algo {
+                Algo::Forward(a) => dnn::get_convolution_forward_workspace_size(
+                    dnn.handle, d.x, d.w, d.conv, d.y, a,
+                ),
+                Algo::GradX(a) => dnn::get_convolution_backward_data_workspace_size(
+                    dnn.handle, d.w, d.y, d.conv, d.x, a,
+                ),
+                Algo::GradWeight(a) => dnn::get_convolution_backward_filter_workspace_size(
+                    dnn.handle, d.x, d.y, d.conv, d.w, a,
+                ),
+            }
+        };
+        match workspace {
+            Ok(workspace) if workspace <= MAX_WORKSPACE => {
+                let plan = Plan {
+                    algo,
+                    math,
+                    workspace,
+                };
+                plans.lock().unwrap().insert(key, plan);
+                return Ok(plan);
+            }
+            _ => continue,
+        }
+    }
+    Err(format!("cuDNN proposes no usable algorithm for {}", d.key))
+}
+
+fn dims(t: &Tensor) -> [i32; 4] {
+    let s = t.meta.shape();
+    [s[0] as i32, s[1] as i32, s[2] as i32, s[3] as i32]
+}
+
+/// One part of the convolution through cuDNN. `grad` is the output's gradient
+/// (the two backward parts).
+fn run(
+    part: Part,
+    x: &Tensor,
+    w: &Tensor,
+    grad: Option<&Tensor>,
+    options: &ConvOptions<2>,
+) -> Result<Tensor, String> {
+    let data = match x.dtype {
+        DType::F32 => sys::cudnnDataType_t::CUDNN_DATA_FLOAT,
+        DType::F16 => sys::cudnnDataType_t::CUDNN_DATA_HALF,
+        DType::BF16 => sys::cudnnDataType_t::CUDNN_DATA_BFLOAT16,
+        other => return Err(format!("no cuDNN path for {other:?}")),
+    };
+    if w.dtype != x.dtype || grad.is_some_and(|g| g.dtype != x.dtype) {
+        return Err("mixed dtypes".into());
+    }
+    let x = into_contiguous(x.clone());
+    let w = into_contiguous(w.clone());
+    let grad = grad.map(|g| into_contiguous(g.clone()));
+    let (xd, wd) = (dims(&x), dims(&w));
+    let yd = match &grad {
+        Some(g) => dims(g),
+        None => {
+            let out = |d: usize| {
+                calculate_conv_output_size(
+                    wd[2 + d] as usize,
+                    options.stride[d],
+                    options.padding[d],
+                    options.dilation[d],
+                    xd[2 + d] as usize,
+                ) as i32
+            };
+            [xd[0], wd[0], out(0), out(1)]
+        }
+    };
+    let out_dims = match part {
+        Part::Forward => yd,
+        Part::GradX => xd,
+        Part::GradWeight => wd,
+    };
+    let client = x.client.clone();
+    let elements: usize = out_dims.iter().map(|&d| d as usize).product();
+    let out = client.empty(elements * x.dtype.size());
+    let descs = Descriptors::new(part, data, [xd, wd, yd], options)?;
+    with_dnn(x.device.index, |dnn| {
+        let plan = choose(dnn, part, &descs)?;
+        let workspace = (plan.workspace > 0).then(|| client.empty(plan.workspace));
+        // The buffers stay allocated while their resources are held.
+        let resource = |h: &Handle| client.get_resource(h.clone()).map_err(|e| format!("{e:?}"));
+        let (rx, rw, rout) = (resource(&x.handle)?, resource(&w.handle)?, resource(&out)?);
+        let rgrad = grad.as_ref().map(|g| resource(&g.handle)).transpose()?;
+        let rws = workspace.as_ref().map(resource).transpose()?;
+        let px = rx.resource().ptr as *mut c_void;
+        let pw = rw.resource().ptr as *mut c_void;
+        let pout = rout.resource().ptr as *mut c_void;
+        let pgrad = rgrad
+            .as_ref()
+            .map_or(std::ptr::null_mut(), |r| r.resource().ptr as *mut c_void);
+        let pws = rws
+            .as_ref()
+            .map_or(std::ptr::null_mut(), |r| r.resource().ptr as *mut c_void);
+        // The inputs are complete once this thread's cubecl stream is.
+        block_on(client.sync()).map_err(|e| format!("{e:?}"))?;
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let (a, b) = (
+            &alpha as *const f32 as *const c_void,
+            &beta as *const f32 as *const c_void,
+        );
+        let (h, ws) = (dnn.handle, plan.workspace);
+        let err = |e: dnn::CudnnError| format!("{part:?} {}: {e:?}", descs.key);
+        // SAFETY: the pointers are live device buffers of the sizes the descriptors
+        // state (contiguous NCHW, checked dtypes), the workspace is as large as cuDNN
+        // asked, and nothing else writes to them until the stream is synchronised.
+        unsafe {
+            dnn::set_convolution_math_type(descs.conv, plan.math).map_err(err)?;
+            match plan.algo {
+                Algo::Forward(algo) => dnn::convolution_forward(
+                    h, a, descs.x, px, descs.w, pw, descs.conv, algo, pws, ws, b, descs.y, pout,
+                ),
+                Algo::GradX(algo) => dnn::convolution_backward_data(
+                    h, a, descs.w, pw, descs.y, pgrad, descs.conv, algo, pws, ws, b, descs.x, pout,
+                ),
+                Algo::GradWeight(algo) => dnn::convolution_backward_filter(
+                    h, a, descs.x, px, descs.y, pgrad, descs.conv, algo, pws, ws, b, descs.w, pout,
+                ),
+            }
+            .map_err(err)?;
+            drv::stream::synchronize(dnn.stream).map_err(|e| format!("{part:?}: CUDA {e:?}"))?;
+        }
+        Ok(())
+    })?;
+    let shape = Shape::new(out_dims.map(|d| d as usize));
+    Ok(Tensor::new_contiguous(
+        client,
+        x.device.clone(),
+        shape,
+        out,
+        x.dtype,
+    ))
+}
+
+/// cuDNN's result, or `None` (Burn's kernels) when cuDNN is not routed this dtype or
+/// failed; a failure is reported once.
+fn through_cudnn(
+    part: Part,
+    x: &Tensor,
+    w: &Tensor,
+    grad: Option<&Tensor>,
+    options: &ConvOptions<2>,
+) -> Option<Tensor> {
+    if !routed(x.dtype) {
+        return None;
+    }
+    run(part, x, w, grad, options)
+        .inspect_err(|e| {
+            static WARNED: AtomicBool = AtomicBool::new(false);
+            if !WARNED.swap(true, Ordering::Relaxed) {
+                eprintln!("kiln: warning: cuDNN could not run a convolution ({e}); Burn's kernels run it instead");
+            }
+        })
+        .ok()
+}
+
+impl<F: FloatElement, I: IntElement, BT: BoolElement> ConvBackend
+    for CubeBackend<CudaRuntime, F, I, BT>
+{
+    fn conv2d_nobias(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        options: ConvOptions<2>,
+    ) -> FloatTensor<Self> {
+        match through_cudnn(Part::Forward, &x, &weight, None, &options) {
+            Some(y) => y,
+            None => Self::conv2d(x, weight, None, options),
+        }
+    }
+
+    fn conv2d_grad_x(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        output_grad: FloatTensor<Self>,
+        options: ConvOptions<2>,
+    ) -> FloatTensor<Self> {
+        match through_cudnn(Part::GradX, &x, &weight, Some(&output_grad), &options) {
+            Some(dx) => dx,
+            None => Self::conv2d_x_backward(x, weight, output_grad, options),
+        }
+    }
+
+    fn conv2d_grad_weight(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        output_grad: FloatTensor<Self>,
+        options: ConvOptions<2>,
+    ) -> FloatTensor<Self> {
+        match through_cudnn(Part::GradWeight, &x, &weight, Some(&output_grad), &options) {
+            Some(dw) => dw,
+            None => Self::conv2d_weight_backward(x, weight, output_grad, options),
+        }
+    }
+}

@@ -1,0 +1,45 @@
+//! Backend extensions: operations kiln's models call through a trait of their own,
+//! so a backend can put other kernels behind them. Today: the convolution, which on
+//! CUDA can run on cuDNN (`train.convolution`).
+
+mod conv;
+#[cfg(feature = "cuda")]
+pub mod cudnn;
+#[cfg(feature = "cuda")]
+mod fusion;
+
+pub use conv::{ConvBackend, conv2d};
+
+/// Which convolutions run on cuDNN on CUDA; the others run on Burn's kernels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CudnnRoute {
+    None,
+    /// f32 only. On an H200, cuDNN's bfloat16 and float16 convolutions on kiln's NCHW
+    /// tensors measured slower than Burn's own (BENCHMARKS.md, "cuDNN convolutions").
+    Fp32,
+    /// f32, bfloat16 and float16.
+    All,
+}
+
+/// The three parts of a convolution a backend can replace.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Part {
+    Forward,
+    GradX,
+    GradWeight,
+}
+
+/// What training needs of a backend: autodiff, and kiln's extensions both on it and
+/// on the inner backend that evaluation runs on.
+pub trait TrainBackend:
+    burn::tensor::backend::AutodiffBackend<InnerBackend: ConvBackend> + ConvBackend
+{
+}
+
+impl<B> TrainBackend for B
+where
+    B: burn::tensor::backend::AutodiffBackend + ConvBackend,
+    B::InnerBackend: ConvBackend,
+{
+}
