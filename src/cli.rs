@@ -60,6 +60,32 @@ pub struct SweepArgs {
     /// checkpoints, failed ones run again.
     #[arg(long, value_name = "SWEEP_DIR")]
     pub resume: Option<PathBuf>,
+    /// Where the trials run: `local` (this machine's GPUs, or its CPU) or `slurm` (one
+    /// job array; trials' folders must be on storage the nodes share).
+    #[arg(long, value_enum, default_value_t = Launcher::Local)]
+    pub launcher: Launcher,
+    /// Slurm: partition for the array (overrides the sweep file's `[slurm]`).
+    #[arg(long)]
+    pub partition: Option<String>,
+    /// Slurm: time limit per trial, as sbatch takes it (e.g. `4:00:00`).
+    #[arg(long)]
+    pub time: Option<String>,
+    /// Slurm: account to charge.
+    #[arg(long)]
+    pub account: Option<String>,
+    /// Slurm: submit and return instead of waiting for the array; `--resume` later
+    /// waits for it and gathers the results.
+    #[arg(long)]
+    pub no_wait: bool,
+    /// Internal: run trial N of the sweep given by --resume here (a Slurm array element).
+    #[arg(long, value_name = "N", hide = true, requires = "resume")]
+    pub trial: Option<usize>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Launcher {
+    Local,
+    Slurm,
 }
 
 #[derive(Debug, clap::Args)]

@@ -8,12 +8,16 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::Context;
 
-use crate::cli::SweepArgs;
+use std::collections::BTreeSet;
+
+use crate::cli::{Launcher, SweepArgs};
 use crate::config::{BackendChoice, DevicesConfig};
 use crate::device::{DevicePlan, GpuInfo};
 use crate::exit::{INTERRUPTED, UsageError};
 use crate::sweep::results;
-use crate::sweep::schedule::{self, Plan};
+use crate::sweep::schedule::{self, Outcome, Placement, Plan};
+use crate::sweep::slurm;
+use crate::sweep::spec::SlurmSpec;
 use crate::sweep::{SweepSpec, Trial};
 
 /// The sweep as it was started, kept in the sweep folder for `--resume`.
@@ -58,7 +62,78 @@ pub fn run(args: SweepArgs) -> anyhow::Result<ExitCode> {
             .into());
         }
     };
+    if let Some(index) = args.trial {
+        return run_element(&spec, &sweep_dir, index);
+    }
+    let slurm_flags = [
+        (args.partition.is_some(), "--partition"),
+        (args.time.is_some(), "--time"),
+        (args.account.is_some(), "--account"),
+        (args.no_wait, "--no-wait"),
+    ];
+    if args.launcher == Launcher::Local
+        && let Some((_, flag)) = slurm_flags.iter().find(|(given, _)| *given)
+    {
+        return Err(UsageError(format!("{flag} is a Slurm option: add --launcher slurm")).into());
+    }
+    let interrupt = Arc::new(AtomicBool::new(false));
+    let flag = interrupt.clone();
+    // Children get the signal too (same process group) and checkpoint; the sweep
+    // starts no new trial and writes what it has.
+    let _ = ctrlc::set_handler(move || flag.store(true, Ordering::SeqCst));
+    let exe = std::env::current_exe().context("finding the kiln executable")?;
     let trials = spec.trials();
+    let started = std::time::Instant::now();
+    let outcomes = match args.launcher {
+        Launcher::Local => run_local(&spec, &sweep_dir, &exe, &trials, interrupt.clone())?,
+        Launcher::Slurm => {
+            let options = SlurmSpec {
+                partition: args.partition.clone().or(spec.slurm.partition.clone()),
+                time: args.time.clone().or(spec.slurm.time.clone()),
+                account: args.account.clone().or(spec.slurm.account.clone()),
+                sbatch_args: spec.slurm.sbatch_args.clone(),
+            };
+            let wait = !args.no_wait;
+            match run_slurm(&spec, &options, &sweep_dir, &exe, &trials, wait, &interrupt)? {
+                Some(outcomes) => outcomes,
+                // Submitted without waiting.
+                None => return Ok(ExitCode::SUCCESS),
+            }
+        }
+    };
+    write_results(&spec, &sweep_dir, &trials, &outcomes)?;
+    eprintln!(
+        "kiln sweep: {} of {} trials finished in {:.0} s",
+        outcomes.iter().filter(|o| o.status == "finished").count(),
+        trials.len(),
+        started.elapsed().as_secs_f64()
+    );
+    if interrupt.load(Ordering::SeqCst) {
+        let more = match args.launcher {
+            Launcher::Local => "",
+            Launcher::Slurm => " --launcher slurm (it waits for the trials still in Slurm's queue)",
+        };
+        eprintln!(
+            "kiln sweep: interrupted; continue with kiln sweep --resume {}{more}",
+            sweep_dir.display()
+        );
+        return Ok(ExitCode::from(INTERRUPTED));
+    }
+    Ok(if outcomes.iter().all(|o| o.status == "finished") {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
+}
+
+/// The trials on this machine's GPU (or CPU) slots.
+fn run_local(
+    spec: &SweepSpec,
+    sweep_dir: &Path,
+    exe: &Path,
+    trials: &[Trial],
+    interrupt: Arc<AtomicBool>,
+) -> anyhow::Result<Vec<Outcome>> {
     let slots = schedule::slots(
         &visible_gpus()?,
         spec.gpus_per_trial,
@@ -77,42 +152,191 @@ pub fn run(args: SweepArgs) -> anyhow::Result<ExitCode> {
             .collect::<Vec<_>>()
             .join(", ")
     );
-    let interrupt = Arc::new(AtomicBool::new(false));
-    let flag = interrupt.clone();
-    // Children get the signal too (same process group) and checkpoint; the sweep
-    // starts no new trial and writes what it has.
-    let _ = ctrlc::set_handler(move || flag.store(true, Ordering::SeqCst));
-    let exe = std::env::current_exe().context("finding the kiln executable")?;
     let plan = Plan {
-        spec: &spec,
+        spec,
         base: &spec.base,
-        sweep_dir: &sweep_dir,
-        exe: &exe,
+        sweep_dir,
+        exe,
         slots: &slots,
-        interrupt: interrupt.clone(),
+        interrupt,
     };
-    let started = std::time::Instant::now();
-    let outcomes = schedule::run(&plan, &trials)
-        .with_context(|| format!("running trials in {}", sweep_dir.display()))?;
-    write_results(&spec, &sweep_dir, &trials, &outcomes)?;
-    eprintln!(
-        "kiln sweep: {} of {} trials finished in {:.0} s",
-        outcomes.iter().filter(|o| o.status == "finished").count(),
-        trials.len(),
-        started.elapsed().as_secs_f64()
-    );
-    if interrupt.load(Ordering::SeqCst) {
+    schedule::run(&plan, trials)
+        .with_context(|| format!("running trials in {}", sweep_dir.display()))
+}
+
+/// Submits the trials that are neither finished nor in Slurm's queue as one job
+/// array, then (with `wait`) reports each trial as it leaves the queue; `None` when
+/// it returned right after submitting.
+fn run_slurm(
+    spec: &SweepSpec,
+    options: &SlurmSpec,
+    sweep_dir: &Path,
+    exe: &Path,
+    trials: &[Trial],
+    wait: bool,
+    interrupt: &AtomicBool,
+) -> anyhow::Result<Option<Vec<Outcome>>> {
+    let metric = spec.metric.key();
+    let mut jobs = slurm::load_jobs(sweep_dir).map_err(UsageError)?;
+    let queued = slurm::active_trials(&jobs).map_err(UsageError)?;
+    let mut outcomes: Vec<Option<Outcome>> = vec![None; trials.len()];
+    let mut submit = Vec::new();
+    for t in trials {
+        if let Some(o) = schedule::finished_earlier(sweep_dir, t, metric) {
+            eprintln!("kiln sweep: trial {} finished earlier, skipped", t.index);
+            outcomes[t.index] = Some(o);
+        } else if queued.contains(&t.index) {
+            eprintln!("kiln sweep: trial {} is still in Slurm's queue", t.index);
+        } else {
+            submit.push(t.index);
+        }
+    }
+    let job_ids = |jobs: &[slurm::Submission]| {
+        jobs.iter()
+            .map(|j| j.job_id.as_str())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    if !submit.is_empty() {
+        for &i in &submit {
+            // A record from an earlier submission would read as this one's ending.
+            let _ = std::fs::remove_file(schedule::trial_dir(sweep_dir, i).join(slurm::RECORD));
+        }
+        let name = sweep_dir
+            .file_name()
+            .map_or("sweep".into(), |n| n.to_string_lossy().into_owned());
+        let script = slurm::batch_script(&slurm::Batch {
+            name: &name,
+            sweep_dir,
+            exe,
+            trials: &submit,
+            max_parallel: spec.max_parallel,
+            gpus: spec.gpus_per_trial,
+            options,
+        });
+        let path = sweep_dir
+            .join("slurm")
+            .join(format!("submit-{}.sh", jobs.len() + 1));
+        std::fs::create_dir_all(path.parent().expect("has a parent"))?;
+        std::fs::write(&path, script).with_context(|| format!("writing {}", path.display()))?;
+        let id = slurm::submit(&path).map_err(UsageError)?;
         eprintln!(
-            "kiln sweep: interrupted; continue with kiln sweep --resume {}",
+            "kiln sweep: submitted {} trial(s) ({}) as Slurm job array {id} ({}); squeue -j {id} shows them, scancel {id} stops them",
+            submit.len(),
+            slurm::array_list(&submit),
+            path.display()
+        );
+        jobs.push(slurm::Submission {
+            job_id: id,
+            trials: submit,
+        });
+        slurm::save_jobs(sweep_dir, &jobs)
+            .with_context(|| format!("recording the job in {}", sweep_dir.display()))?;
+    }
+    if !wait {
+        eprintln!(
+            "kiln sweep: not waiting; kiln sweep --resume {} --launcher slurm waits for the jobs and gathers the results",
             sweep_dir.display()
         );
-        return Ok(ExitCode::from(INTERRUPTED));
+        return Ok(None);
     }
-    Ok(if outcomes.iter().all(|o| o.status == "finished") {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::from(1)
-    })
+    let mut waiting: BTreeSet<usize> = (0..trials.len())
+        .filter(|&i| outcomes[i].is_none())
+        .collect();
+    let total = waiting.len();
+    let mut last_status = std::time::Instant::now();
+    while !waiting.is_empty() && !interrupt.load(Ordering::SeqCst) {
+        let active = slurm::active_trials(&jobs).map_err(UsageError)?;
+        for i in waiting.clone() {
+            if active.contains(&i) {
+                continue;
+            }
+            waiting.remove(&i);
+            let record =
+                std::fs::read_to_string(schedule::trial_dir(sweep_dir, i).join(slurm::RECORD))
+                    .ok()
+                    .and_then(|t| serde_json::from_str::<slurm::ElementRecord>(&t).ok());
+            let (code, wall, place) = match record {
+                Some(r) => (r.exit_code, r.wall_s, r.place),
+                // Ended without recording: cancelled or killed with its element.
+                None => (None, 0.0, format!("Slurm job {}", job_ids(&jobs))),
+            };
+            let o = schedule::ended(sweep_dir, &trials[i], metric, code, place, wall);
+            let done = total - waiting.len();
+            eprintln!(
+                "{}",
+                schedule::ended_line(&o, metric, &format!(" [{done}/{total}]"))
+            );
+            outcomes[i] = Some(o);
+        }
+        if last_status.elapsed().as_secs() >= 60 && !waiting.is_empty() {
+            last_status = std::time::Instant::now();
+            eprintln!(
+                "kiln sweep: {}/{total} trials done, {} queued or running in Slurm (jobs {})",
+                total - waiting.len(),
+                waiting.len(),
+                job_ids(&jobs)
+            );
+        }
+        if !waiting.is_empty() {
+            std::thread::sleep(std::time::Duration::from_secs(2));
+        }
+    }
+    if !waiting.is_empty() {
+        eprintln!(
+            "kiln sweep: {} trial(s) stay in Slurm's queue (jobs {}); scancel stops them",
+            waiting.len(),
+            job_ids(&jobs)
+        );
+    }
+    Ok(Some(
+        outcomes
+            .into_iter()
+            .enumerate()
+            .map(|(i, o)| o.unwrap_or_else(|| schedule::not_run(i)))
+            .collect(),
+    ))
+}
+
+/// A Slurm array element: trial `index`'s `kiln train` here, on the GPUs Slurm gave
+/// (or the CPU with `gpus_per_trial = 0`), and a record of how it ended.
+fn run_element(spec: &SweepSpec, sweep_dir: &Path, index: usize) -> anyhow::Result<ExitCode> {
+    let trials = spec.trials();
+    let trial = trials.get(index).ok_or_else(|| {
+        UsageError(format!(
+            "--trial {index}: the sweep has {} trials",
+            trials.len()
+        ))
+    })?;
+    // Slurm signals the whole step when it cancels or times out the element: the
+    // trial checkpoints and exits, and this process stays to record that.
+    let _ = ctrlc::set_handler(|| {});
+    let exe = std::env::current_exe().context("finding the kiln executable")?;
+    let placement = match spec.gpus_per_trial {
+        0 => Placement::Cpu,
+        _ => Placement::Gpus(None),
+    };
+    let started = std::time::Instant::now();
+    let status = schedule::train_command(spec, &spec.base, sweep_dir, &exe, trial, placement)
+        .and_then(|mut c| c.status())
+        .with_context(|| format!("starting trial {index}"))?;
+    let env = |k: &str| std::env::var(k).unwrap_or_default();
+    let record = slurm::ElementRecord {
+        exit_code: status.code(),
+        wall_s: started.elapsed().as_secs_f64(),
+        place: format!(
+            "{} (job {}_{})",
+            env("SLURMD_NODENAME"),
+            env("SLURM_ARRAY_JOB_ID"),
+            env("SLURM_ARRAY_TASK_ID")
+        ),
+    };
+    let path = schedule::trial_dir(sweep_dir, index).join(slurm::RECORD);
+    std::fs::write(&path, serde_json::to_string(&record)?)
+        .with_context(|| format!("writing {}", path.display()))?;
+    Ok(ExitCode::from(
+        status.code().map_or(1, |c| c.clamp(0, 255) as u8),
+    ))
 }
 
 fn write_results(

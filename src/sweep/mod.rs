@@ -3,6 +3,7 @@
 
 pub mod results;
 pub mod schedule;
+pub mod slurm;
 pub mod spec;
 
 pub use spec::{SweepSpec, Trial};

@@ -26,14 +26,15 @@ pub struct Slot {
 }
 
 /// Cuts the visible GPUs, `(physical index or ordinal, UUID)`, into slots of
-/// `per_trial`; without GPUs, `cpu_slots` CPU slots. At most `max_parallel` (0: no limit).
+/// `per_trial`; without GPUs, or with `per_trial` 0 (CPU trials), `cpu_slots` CPU
+/// slots. At most `max_parallel` (0: no limit).
 pub fn slots(
     gpus: &[(usize, String)],
     per_trial: usize,
     max_parallel: usize,
     cpu_slots: usize,
 ) -> Result<Vec<Slot>, String> {
-    let mut out: Vec<Slot> = if gpus.is_empty() {
+    let mut out: Vec<Slot> = if gpus.is_empty() || per_trial == 0 {
         (0..cpu_slots.max(1))
             .map(|i| Slot {
                 label: format!("CPU {i}"),
@@ -136,6 +137,69 @@ fn progress(run_dir: &Path) -> Option<(usize, String)> {
     Some((rows.len(), acc))
 }
 
+/// The trial's outcome if an earlier run of the sweep finished it.
+pub fn finished_earlier(sweep_dir: &Path, trial: &Trial, metric: &str) -> Option<Outcome> {
+    let run = run_dir(&trial_dir(sweep_dir, trial.index))?;
+    let (status, value) = summary(&run, metric)?;
+    (status == "finished").then(|| Outcome {
+        index: trial.index,
+        status: "finished".into(),
+        exit_code: Some(0),
+        metric: value,
+        run_dir: Some(run),
+        slot: String::new(),
+        wall_s: 0.0,
+        log_tail: String::new(),
+    })
+}
+
+/// How a trial that ran ended, from its exit code and its folder.
+pub fn ended(
+    sweep_dir: &Path,
+    trial: &Trial,
+    metric: &str,
+    code: Option<i32>,
+    slot: String,
+    wall_s: f64,
+) -> Outcome {
+    let dir = trial_dir(sweep_dir, trial.index);
+    let run = run_dir(&dir);
+    let sum = run.as_deref().and_then(|d| summary(d, metric));
+    let state = match (code, &sum) {
+        (Some(0), Some((s, _))) if s == "finished" => "finished",
+        (Some(130), _) => "interrupted",
+        _ => "failed",
+    };
+    let log_tail = if state == "failed" {
+        self::log_tail(&dir.join("log.txt"), 8)
+    } else {
+        String::new()
+    };
+    Outcome {
+        index: trial.index,
+        status: state.into(),
+        exit_code: code,
+        metric: sum.and_then(|s| s.1),
+        run_dir: run,
+        slot,
+        wall_s,
+        log_tail,
+    }
+}
+
+/// The line that reports a trial's end.
+pub fn ended_line(o: &Outcome, metric: &str, progress: &str) -> String {
+    format!(
+        "kiln sweep: trial {} {} (exit {}) after {:.0} s{}{progress}",
+        o.index,
+        o.status,
+        o.exit_code.map_or("by signal".into(), |c| c.to_string()),
+        o.wall_s,
+        o.metric
+            .map_or(String::new(), |m| format!(", {metric} {m:.4}")),
+    )
+}
+
 struct Running {
     slot: usize,
     trial: Trial,
@@ -160,25 +224,10 @@ pub fn run(plan: &Plan, trials: &[Trial]) -> std::io::Result<Vec<Outcome>> {
     let mut outcomes: Vec<Option<Outcome>> = vec![None; trials.len()];
     let mut queue: Vec<&Trial> = Vec::new();
     for t in trials {
-        let dir = trial_dir(plan.sweep_dir, t.index);
-        let done = run_dir(&dir).and_then(|r| {
-            summary(&r, metric)
-                .filter(|(s, _)| s == "finished")
-                .map(|(_, m)| (r, m))
-        });
-        match done {
-            Some((r, m)) => {
+        match finished_earlier(plan.sweep_dir, t, metric) {
+            Some(outcome) => {
                 eprintln!("kiln sweep: trial {} finished earlier, skipped", t.index);
-                outcomes[t.index] = Some(Outcome {
-                    index: t.index,
-                    status: "finished".into(),
-                    exit_code: Some(0),
-                    metric: m,
-                    run_dir: Some(r),
-                    slot: String::new(),
-                    wall_s: 0.0,
-                    log_tail: String::new(),
-                });
+                outcomes[t.index] = Some(outcome);
             }
             None => queue.push(t),
         }
@@ -229,38 +278,16 @@ pub fn run(plan: &Plan, trials: &[Trial]) -> std::io::Result<Vec<Outcome>> {
             let r = running.swap_remove(i);
             free.push(r.slot);
             ended += 1;
-            let dir = trial_dir(plan.sweep_dir, r.trial.index);
-            let run = run_dir(&dir);
-            let sum = run.as_deref().and_then(|d| summary(d, metric));
-            let code = status.code();
-            let state = match (code, &sum) {
-                (Some(0), Some((s, _))) if s == "finished" => "finished",
-                (Some(130), _) => "interrupted",
-                _ => "failed",
-            };
-            let tail = if state == "failed" {
-                log_tail(&dir.join("log.txt"), 8)
-            } else {
-                String::new()
-            };
-            let metric_value = sum.and_then(|s| s.1);
-            say(format!(
-                "kiln sweep: trial {} {state} (exit {}) after {:.0} s{} [{ended}/{total}]",
-                r.trial.index,
-                code.map_or("by signal".into(), |c| c.to_string()),
+            let outcome = self::ended(
+                plan.sweep_dir,
+                &r.trial,
+                metric,
+                status.code(),
+                plan.slots[r.slot].label.clone(),
                 r.started.elapsed().as_secs_f64(),
-                metric_value.map_or(String::new(), |m| format!(", {metric} {m:.4}")),
-            ));
-            outcomes[r.trial.index] = Some(Outcome {
-                index: r.trial.index,
-                status: state.into(),
-                exit_code: code,
-                metric: metric_value,
-                run_dir: run,
-                slot: plan.slots[r.slot].label.clone(),
-                wall_s: r.started.elapsed().as_secs_f64(),
-                log_tail: tail,
-            });
+            );
+            say(ended_line(&outcome, metric, &format!(" [{ended}/{total}]")));
+            outcomes[r.trial.index] = Some(outcome);
         }
         if last_status.elapsed() > Duration::from_secs(30) && !running.is_empty() {
             last_status = Instant::now();
@@ -288,19 +315,22 @@ pub fn run(plan: &Plan, trials: &[Trial]) -> std::io::Result<Vec<Outcome>> {
     Ok(outcomes
         .into_iter()
         .enumerate()
-        .map(|(i, o)| {
-            o.unwrap_or(Outcome {
-                index: i,
-                status: "not run".into(),
-                exit_code: None,
-                metric: None,
-                run_dir: None,
-                slot: String::new(),
-                wall_s: 0.0,
-                log_tail: String::new(),
-            })
-        })
+        .map(|(i, o)| o.unwrap_or_else(|| not_run(i)))
         .collect())
+}
+
+/// The outcome of a trial that never started.
+pub fn not_run(index: usize) -> Outcome {
+    Outcome {
+        index,
+        status: "not run".into(),
+        exit_code: None,
+        metric: None,
+        run_dir: None,
+        slot: String::new(),
+        wall_s: 0.0,
+        log_tail: String::new(),
+    }
 }
 
 /// The whole sweep's progress, drawn only when stderr is a terminal.
@@ -319,41 +349,76 @@ fn overall_bar(trials: usize) -> ProgressBar {
 }
 
 fn start(plan: &Plan, trial: &Trial, slot: &Slot) -> std::io::Result<Child> {
-    let dir = trial_dir(plan.sweep_dir, trial.index);
+    let placement = match &slot.visible {
+        Some(uuids) => Placement::Gpus(Some(uuids)),
+        None => Placement::Cpu,
+    };
+    train_command(
+        plan.spec,
+        plan.base,
+        plan.sweep_dir,
+        plan.exe,
+        trial,
+        placement,
+    )?
+    .spawn()
+}
+
+/// Where a trial trains.
+#[derive(Debug, Clone, Copy)]
+pub enum Placement<'a> {
+    /// On the GPUs these UUIDs name, or (`None`) on every GPU the process sees, as
+    /// under Slurm, which sets `CUDA_VISIBLE_DEVICES` to the allocation.
+    Gpus(Option<&'a str>),
+    Cpu,
+}
+
+/// The trial's `kiln train`, writing into the trial's folder and its `log.txt`.
+pub fn train_command(
+    spec: &SweepSpec,
+    base: &Path,
+    sweep_dir: &Path,
+    exe: &Path,
+    trial: &Trial,
+    placement: Placement,
+) -> std::io::Result<Command> {
+    let dir = trial_dir(sweep_dir, trial.index);
     std::fs::create_dir_all(&dir)?;
     let log = File::options()
         .create(true)
         .append(true)
         .open(dir.join("log.txt"))?;
-    let mut cmd = Command::new(plan.exe);
+    let mut cmd = Command::new(exe);
     cmd.arg("train")
         .arg("--config")
-        .arg(plan.base)
+        .arg(base)
         .arg("--output")
         .arg(&dir)
         .arg("--max-restarts")
-        .arg(plan.spec.max_restarts.to_string());
+        .arg(spec.max_restarts.to_string());
     // An unfinished trial continues from its checkpoints; one stopped before its
     // first checkpoint starts again.
     if let Some(run) = resumable_run(&dir) {
         cmd.arg("--resume").arg(run);
     }
-    for s in plan.spec.set.iter().cloned().chain(trial.sets()) {
+    for s in spec.set.iter().cloned().chain(trial.sets()) {
         cmd.arg("--set").arg(s);
     }
-    match &slot.visible {
-        Some(uuids) => {
+    match placement {
+        Placement::Gpus(uuids) => {
             cmd.arg("--set").arg("devices.use=all");
-            cmd.env("CUDA_VISIBLE_DEVICES", uuids);
+            if let Some(uuids) = uuids {
+                cmd.env("CUDA_VISIBLE_DEVICES", uuids);
+            }
         }
-        None => {
+        Placement::Cpu => {
             cmd.arg("--set").arg("devices.backend=cpu");
         }
     }
     cmd.stdin(Stdio::null())
         .stdout(log.try_clone()?)
-        .stderr(log)
-        .spawn()
+        .stderr(log);
+    Ok(cmd)
 }
 
 #[cfg(test)]

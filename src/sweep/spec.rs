@@ -69,7 +69,8 @@ pub struct SweepSpec {
     pub metric: Metric,
     #[serde(default = "default_goal")]
     pub goal: Goal,
-    /// GPUs per trial; the visible GPUs are cut into slots of this many.
+    /// GPUs per trial; the visible GPUs are cut into slots of this many (under Slurm:
+    /// each array element asks for this many). 0: the trials train on the CPU.
     #[serde(default = "one")]
     pub gpus_per_trial: usize,
     /// At most this many trials at once; 0: one per slot.
@@ -85,6 +86,23 @@ pub struct SweepSpec {
     #[serde(default)]
     pub grid: BTreeMap<String, Vec<Value>>,
     pub random: Option<RandomSpec>,
+    /// `kiln sweep --launcher slurm`: what each array element asks Slurm for.
+    #[serde(default)]
+    pub slurm: SlurmSpec,
+}
+
+/// `[slurm]` of a sweep file; `kiln sweep` flags of the same names override it.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SlurmSpec {
+    /// `sbatch --partition`.
+    pub partition: Option<String>,
+    /// `sbatch --time`, per trial (e.g. `"4:00:00"`).
+    pub time: Option<String>,
+    /// `sbatch --account`.
+    pub account: Option<String>,
+    /// More `sbatch` options, one per item (e.g. `["--qos=high", "--mem=64G"]`).
+    pub sbatch_args: Vec<String>,
 }
 
 fn default_metric() -> Metric {
@@ -154,9 +172,6 @@ impl SweepSpec {
             message,
         };
         let spec: SweepSpec = toml::from_str(&text).map_err(|e| invalid(e.to_string()))?;
-        if spec.gpus_per_trial == 0 {
-            return Err(invalid("gpus_per_trial = 0: at least 1".into()));
-        }
         if spec.grid.is_empty() && spec.random.is_none() {
             return Err(invalid(
                 "no axes: add a [grid] table (key = [values]) or [random] with axes".into(),
@@ -338,8 +353,8 @@ axes = { "optim.weight_decay" = { log_uniform = [1e-5, 1e-2] }, "train.label_smo
                 .contains("`optim.lr` has no values")
         );
         assert!(
-            e("base = \"b.toml\"\ngpus_per_trial = 0\n[grid]\na = [1]\n")
-                .contains("gpus_per_trial")
+            e("base = \"b.toml\"\n[grid]\na = [1]\n[slurm]\npartiton = \"gpu\"\n")
+                .contains("partiton")
         );
         assert!(
             e("base = \"b.toml\"\n[grid]\n\"devices.use\" = [[0]]\n").contains("places trials")

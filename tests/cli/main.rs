@@ -610,6 +610,35 @@ fn a_sweep_runs_every_trial_records_a_failing_one_and_resumes() {
 }
 
 #[test]
+fn slurm_options_need_the_slurm_launcher_and_a_missing_sbatch_is_named() {
+    let dir = tempdir("slurm-cli");
+    let file = dir.join("sweep.toml");
+    std::fs::write(
+        &file,
+        format!("base = {DEBUG_TOML:?}\ngpus_per_trial = 0\n[grid]\n\"optim.lr\" = [0.1]\n"),
+    )
+    .unwrap();
+    let sweep = |extra: &[&str]| {
+        let mut cmd = kiln();
+        cmd.args(["sweep", "--config"])
+            .arg(&file)
+            .arg("--output")
+            .arg(dir.join("sweeps"))
+            .args(extra)
+            // No Slurm client on this PATH, whatever the machine has.
+            .env("PATH", dir.join("no-bin"));
+        Output::of(&mut cmd)
+    };
+    sweep(&["--partition", "gpu"])
+        .code(2)
+        .stderr_has("--partition is a Slurm option: add --launcher slurm");
+    sweep(&["--launcher", "slurm"])
+        .code(2)
+        .stderr_has("cannot run sbatch")
+        .stderr_has("Slurm's client");
+}
+
+#[test]
 fn warmup_on_the_cpu_says_there_is_nothing_to_compile() {
     Output::of(kiln().args(["warmup", "--config", DEBUG_TOML]))
         .success()
