@@ -12,10 +12,11 @@
 #   1 caches  2 ResNet-18 on 1 and 2 GPUs  3 device layer  4 default config on 2 GPUs,
 #   GPU failure, kill -9  5 sweeps  6 ResNet-50 on 1 and 2 GPUs  7 loading study
 #   8 the default config on one GPU (accuracy, checkpoint share)  9 bf16, determinism and
-#   kernel profile beside phase 8  M bf16 and fp16 default config to the end  P kernel
-#   profile  A the fifth session's runs (see phaseA). Phases run in the order PHASES
-#   lists them. Chain the watch calls at once: a machine left idle for 30 s between
-#   calls is handed back with everything on it.
+#   kernel profile beside phase 8  P kernel profile  A the fifth session's runs (see
+#   phaseA). Phases run in the order PHASES lists them. Chain the watch calls at once:
+#   a machine left idle for 30 s between calls is handed back with everything on it.
+#   In the fifth session that happened again (66 s between two calls), so phase A's
+#   work was redone by bench/gpu/cudnn.sh, which fits each stage into one call.
 set -u
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 RES=/tmp/res; mkdir -p "$RES" /tmp/kc /tmp/runs
@@ -237,22 +238,6 @@ phase9() {
     BT=700 bench r18-1-bf16-cold "${R18[@]}" --devices 1 --set train.precision=bf16
     bench r18-1-bf16 "${R18[@]}" --devices 1 --set train.precision=bf16 ) & local b=$!
   wait $a $b
-}
-# Phase M, mixed precision to the end (issue 10): the default config in bf16 on GPU 0
-# and in fp16 on GPU 1 side by side (each compiles its own kernels first, about 7
-# minutes cold), then the ResNet-18 bench in fp16.
-phaseM() {
-  local p g pids=()
-  for p in bf16 fp16; do
-    g=$([ $p = bf16 ] && echo 0 || echo 1)
-    ( timeout 1100 "$K" train "${FM[@]}" --devices $g --output /tmp/runs/$p --set train.precision=$p \
-        > "$RES/fmnist-$p.log" 2>&1
-      echo "exit $?" >> "$RES/fmnist-$p.log"
-      cp /tmp/runs/$p/*/summary.json "$RES/$p-summary.json"; cp /tmp/runs/$p/*/metrics.csv "$RES/$p-metrics.csv"
-      log "fmnist $p done" ) & pids+=($!)
-  done
-  wait "${pids[@]}"
-  bench r18-1-fp16 "${R18[@]}" --devices 1 --precision fp16
 }
 # Phase A, everything whose speed is not the point, at once (fifth session): the default
 # config to the end in bf16 (GPU 0), fp16 (GPU 1) and fp32 on both GPUs (issues 10 and 3),

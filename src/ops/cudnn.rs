@@ -263,68 +263,54 @@ fn choose(dnn: &Dnn, part: Part, d: &Descriptors) -> Result<Plan, String> {
     let mut count = 0;
     // SAFETY: descriptors and handle are alive; cuDNN writes at most the requested
     // number of (plain-data) results, `count` of which are read.
+    // The three queries differ only in their types and descriptor order.
+    macro_rules! proposals {
+        ($perf:ty, $query:path, $variant:path, $a:expr, $b:expr, $c:expr) => {{
+            let mut r = [MaybeUninit::<$perf>::zeroed().assume_init(); 16];
+            $query(
+                dnn.handle,
+                $a,
+                $b,
+                d.conv,
+                $c,
+                16,
+                &mut count,
+                r.as_mut_ptr(),
+            )
+            .map_err(err)?;
+            r[..count as usize]
+                .iter()
+                .filter(|p| p.status == ok)
+                .map(|p| ($variant(p.algo), p.mathType))
+                .collect()
+        }};
+    }
     let proposals: Vec<(Algo, sys::cudnnMathType_t)> = unsafe {
         match part {
-            Part::Forward => {
-                let mut r =
-                    [MaybeUninit::<sys::cudnnConvolutionFwdAlgoPerf_t>::zeroed().assume_init(); 16];
-                dnn::get_convolution_forward_algorithm(
-                    dnn.handle,
-                    d.x,
-                    d.w,
-                    d.conv,
-                    d.y,
-                    16,
-                    &mut count,
-                    r.as_mut_ptr(),
-                )
-                .map_err(err)?;
-                r[..count as usize]
-                    .iter()
-                    .filter(|p| p.status == ok)
-                    .map(|p| (Algo::Forward(p.algo), p.mathType))
-                    .collect()
-            }
-            Part::GradX => {
-                let mut r = [MaybeUninit::<sys::cudnnConvolutionBwdDataAlgoPerf_t>::zeroed()
-                    .assume_init(); 16];
-                dnn::get_convolution_backward_data_algorithm(
-                    dnn.handle,
-                    d.w,
-                    d.y,
-                    d.conv,
-                    d.x,
-                    16,
-                    &mut count,
-                    r.as_mut_ptr(),
-                )
-                .map_err(err)?;
-                r[..count as usize]
-                    .iter()
-                    .filter(|p| p.status == ok)
-                    .map(|p| (Algo::GradX(p.algo), p.mathType))
-                    .collect()
-            }
-            Part::GradWeight => {
-                let mut r = [MaybeUninit::<sys::cudnnConvolutionBwdFilterAlgoPerf_t>::zeroed()
-                    .assume_init(); 16];
-                dnn::get_convolution_backward_filter_algorithm(
-                    dnn.handle,
-                    d.x,
-                    d.y,
-                    d.conv,
-                    d.w,
-                    16,
-                    &mut count,
-                    r.as_mut_ptr(),
-                )
-                .map_err(err)?;
-                r[..count as usize]
-                    .iter()
-                    .filter(|p| p.status == ok)
-                    .map(|p| (Algo::GradWeight(p.algo), p.mathType))
-                    .collect()
-            }
+            Part::Forward => proposals!(
+                sys::cudnnConvolutionFwdAlgoPerf_t,
+                dnn::get_convolution_forward_algorithm,
+                Algo::Forward,
+                d.x,
+                d.w,
+                d.y
+            ),
+            Part::GradX => proposals!(
+                sys::cudnnConvolutionBwdDataAlgoPerf_t,
+                dnn::get_convolution_backward_data_algorithm,
+                Algo::GradX,
+                d.w,
+                d.y,
+                d.x
+            ),
+            Part::GradWeight => proposals!(
+                sys::cudnnConvolutionBwdFilterAlgoPerf_t,
+                dnn::get_convolution_backward_filter_algorithm,
+                Algo::GradWeight,
+                d.x,
+                d.y,
+                d.w
+            ),
         }
     };
     for (algo, math) in proposals {
