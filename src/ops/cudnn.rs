@@ -2,7 +2,8 @@
 //!
 //! Burn 0.21's implicit-GEMM convolutions were two thirds of a ResNet-18 step on an
 //! H200 (BENCHMARKS.md, "Where the time goes"). cuDNN is loaded at run time (cudarc's
-//! bindings, cuDNN 9); where it is missing, or refuses a shape, Burn's kernels run.
+//! bindings, cuDNN 9) and probed before training; a call it refuses (a shape or dtype
+//! without an algorithm) runs on Burn's kernels.
 //!
 //! cubecl keeps its CUDA streams private, so a cuDNN call cannot be queued behind the
 //! kernels that produce its inputs. Instead it waits for this thread's cubecl stream
@@ -59,13 +60,9 @@ fn routed(dtype: DType) -> bool {
 pub fn probe(ordinal: usize) -> Result<String, String> {
     // cudarc panics when the library is missing, so look for it first, by the names
     // it will try.
-    let names = cudarc::get_lib_name_candidates("cudnn");
     // SAFETY: loading cuDNN runs no initialisation code with preconditions.
-    let found = names
-        .iter()
-        .any(|n| unsafe { libloading::Library::new(n) }.is_ok());
-    if !found {
-        return Err("libcudnn.so.9 was not found on the library path".into());
+    if !unsafe { sys::is_culib_present() } {
+        return Err("libcudnn.so (cuDNN 9) was not found on the library path".into());
     }
     let version = dnn::get_version();
     if version < 90000 {
@@ -109,7 +106,9 @@ struct Dnn {
 }
 
 thread_local! {
-    // Never destroyed: a thread ends with the process, when the context is going too.
+    // Kept until the thread ends, then leaked: a replica thread ends with its training,
+    // and destroying a handle after its context may be gone is worse than one handle
+    // and stream per device and training.
     static DNN: RefCell<HashMap<usize, Dnn>> = RefCell::new(HashMap::new());
 }
 
@@ -249,14 +248,18 @@ enum Algo {
     GradWeight(sys::cudnnConvolutionBwdFilterAlgo_t),
 }
 
+/// Device ordinal and [`Descriptors::key`].
+type PlanKey = (usize, String);
+
 /// cuDNN's heuristic choice (what PyTorch uses without `cudnn.benchmark`): the first
 /// proposal that is supported and whose workspace fits, remembered per device and shape.
 fn choose(dnn: &Dnn, part: Part, d: &Descriptors) -> Result<Plan, String> {
-    static PLANS: OnceLock<Mutex<HashMap<(usize, String), Plan>>> = OnceLock::new();
+    // A refusal is remembered too, so a shape cuDNN cannot run goes straight to Burn.
+    static PLANS: OnceLock<Mutex<HashMap<PlanKey, Result<Plan, String>>>> = OnceLock::new();
     let plans = PLANS.get_or_init(Default::default);
     let key = (dnn.ordinal, d.key.clone());
     if let Some(plan) = plans.lock().unwrap().get(&key) {
-        return Ok(*plan);
+        return plan.clone();
     }
     let ok = sys::cudnnStatus_t::CUDNN_STATUS_SUCCESS;
     let err = |e: dnn::CudnnError| format!("choosing an algorithm for {}: {e:?}", d.key);
@@ -337,13 +340,15 @@ fn choose(dnn: &Dnn, part: Part, d: &Descriptors) -> Result<Plan, String> {
                     math,
                     workspace,
                 };
-                plans.lock().unwrap().insert(key, plan);
+                plans.lock().unwrap().insert(key, Ok(plan));
                 return Ok(plan);
             }
             _ => continue,
         }
     }
-    Err(format!("cuDNN proposes no usable algorithm for {}", d.key))
+    let refusal = format!("cuDNN proposes no usable algorithm for {}", d.key);
+    plans.lock().unwrap().insert(key, Err(refusal.clone()));
+    Err(refusal)
 }
 
 fn dims(t: &Tensor) -> [i32; 4] {
@@ -439,10 +444,11 @@ fn run(
                     h, a, descs.x, px, descs.y, pgrad, descs.conv, algo, pws, ws, b, descs.w, pout,
                 ),
             }
-            .map_err(err)?;
-            drv::stream::synchronize(dnn.stream).map_err(|e| format!("{part:?}: CUDA {e:?}"))?;
+            .map_err(err)
+            // Waited for even when cuDNN reported an error: work it queued may still
+            // use the buffers, which are released when this returns.
+            .and(drv::stream::synchronize(dnn.stream).map_err(|e| format!("{part:?}: CUDA {e:?}")))
         }
-        Ok(())
     })?;
     let shape = Shape::new(out_dims.map(|d| d as usize));
     Ok(Tensor::new_contiguous(
