@@ -61,9 +61,10 @@ pub struct SweepArgs {
     #[arg(long, value_name = "SWEEP_DIR")]
     pub resume: Option<PathBuf>,
     /// Where the trials run: `local` (this machine's GPUs, or its CPU) or `slurm` (one
-    /// job array; trials' folders must be on storage the nodes share).
-    #[arg(long, value_enum, default_value_t = Launcher::Local)]
-    pub launcher: Launcher,
+    /// job array; the kiln binary and the trials' folders must be on storage the nodes
+    /// share). Default: `local`, or `slurm` when resuming a sweep submitted to Slurm.
+    #[arg(long, value_enum)]
+    pub launcher: Option<Launcher>,
     /// Slurm: partition for the array (overrides the sweep file's `[slurm]`).
     #[arg(long)]
     pub partition: Option<String>,

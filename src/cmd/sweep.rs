@@ -24,6 +24,32 @@ use crate::sweep::{SweepSpec, Trial};
 const SPEC: &str = "sweep.json";
 
 pub fn run(args: SweepArgs) -> anyhow::Result<ExitCode> {
+    let slurm_flags = [
+        (args.partition.is_some(), "--partition"),
+        (args.time.is_some(), "--time"),
+        (args.account.is_some(), "--account"),
+        (args.no_wait, "--no-wait"),
+    ];
+    // A sweep that went to Slurm stays there: trials run locally beside elements
+    // still in the queue would write the same folders.
+    let on_slurm = args.resume.as_deref().is_some_and(slurm::submitted);
+    let launcher = match args.launcher {
+        Some(Launcher::Local) if on_slurm => {
+            return Err(UsageError(format!(
+                "{} was submitted to Slurm; resume it with --launcher slurm (or leave --launcher out)",
+                args.resume.as_deref().unwrap_or(Path::new("")).display()
+            ))
+            .into());
+        }
+        Some(l) => l,
+        None if on_slurm => Launcher::Slurm,
+        None => Launcher::Local,
+    };
+    if launcher == Launcher::Local
+        && let Some((_, flag)) = slurm_flags.iter().find(|(given, _)| *given)
+    {
+        return Err(UsageError(format!("{flag} is a Slurm option: add --launcher slurm")).into());
+    }
     let (spec, sweep_dir) = match (&args.config, &args.resume) {
         (Some(file), None) => {
             let mut spec = SweepSpec::load(file).map_err(|e| UsageError(e.to_string()))?;
@@ -65,17 +91,6 @@ pub fn run(args: SweepArgs) -> anyhow::Result<ExitCode> {
     if let Some(index) = args.trial {
         return run_element(&spec, &sweep_dir, index);
     }
-    let slurm_flags = [
-        (args.partition.is_some(), "--partition"),
-        (args.time.is_some(), "--time"),
-        (args.account.is_some(), "--account"),
-        (args.no_wait, "--no-wait"),
-    ];
-    if args.launcher == Launcher::Local
-        && let Some((_, flag)) = slurm_flags.iter().find(|(given, _)| *given)
-    {
-        return Err(UsageError(format!("{flag} is a Slurm option: add --launcher slurm")).into());
-    }
     let interrupt = Arc::new(AtomicBool::new(false));
     let flag = interrupt.clone();
     // Children get the signal too (same process group) and checkpoint; the sweep
@@ -84,7 +99,7 @@ pub fn run(args: SweepArgs) -> anyhow::Result<ExitCode> {
     let exe = std::env::current_exe().context("finding the kiln executable")?;
     let trials = spec.trials();
     let started = std::time::Instant::now();
-    let outcomes = match args.launcher {
+    let outcomes = match launcher {
         Launcher::Local => run_local(&spec, &sweep_dir, &exe, &trials, interrupt.clone())?,
         Launcher::Slurm => {
             let options = SlurmSpec {
@@ -109,7 +124,7 @@ pub fn run(args: SweepArgs) -> anyhow::Result<ExitCode> {
         started.elapsed().as_secs_f64()
     );
     if interrupt.load(Ordering::SeqCst) {
-        let more = match args.launcher {
+        let more = match launcher {
             Launcher::Local => "",
             Launcher::Slurm => " --launcher slurm (it waits for the trials still in Slurm's queue)",
         };
@@ -177,8 +192,12 @@ fn run_slurm(
     interrupt: &AtomicBool,
 ) -> anyhow::Result<Option<Vec<Outcome>>> {
     let metric = spec.metric.key();
+    if let Some(why) = slurm::unusable_path(sweep_dir) {
+        return Err(UsageError(why).into());
+    }
+    let name = slurm::job_name(sweep_dir);
     let mut jobs = slurm::load_jobs(sweep_dir).map_err(UsageError)?;
-    let queued = slurm::active_trials(&jobs).map_err(UsageError)?;
+    let queued = slurm::active_trials(&name).map_err(UsageError)?;
     let mut outcomes: Vec<Option<Outcome>> = vec![None; trials.len()];
     let mut submit = Vec::new();
     for t in trials {
@@ -191,20 +210,11 @@ fn run_slurm(
             submit.push(t.index);
         }
     }
-    let job_ids = |jobs: &[slurm::Submission]| {
-        jobs.iter()
-            .map(|j| j.job_id.as_str())
-            .collect::<Vec<_>>()
-            .join(", ")
-    };
     if !submit.is_empty() {
         for &i in &submit {
             // A record from an earlier submission would read as this one's ending.
             let _ = std::fs::remove_file(schedule::trial_dir(sweep_dir, i).join(slurm::RECORD));
         }
-        let name = sweep_dir
-            .file_name()
-            .map_or("sweep".into(), |n| n.to_string_lossy().into_owned());
         let script = slurm::batch_script(&slurm::Batch {
             name: &name,
             sweep_dir,
@@ -235,7 +245,7 @@ fn run_slurm(
     }
     if !wait {
         eprintln!(
-            "kiln sweep: not waiting; kiln sweep --resume {} --launcher slurm waits for the jobs and gathers the results",
+            "kiln sweep: not waiting; kiln sweep --resume {} waits for the jobs and gathers the results",
             sweep_dir.display()
         );
         return Ok(None);
@@ -244,24 +254,16 @@ fn run_slurm(
         .filter(|&i| outcomes[i].is_none())
         .collect();
     let total = waiting.len();
-    let mut last_status = std::time::Instant::now();
+    let started = std::time::Instant::now();
+    let mut last_status = started;
     while !waiting.is_empty() && !interrupt.load(Ordering::SeqCst) {
-        let active = slurm::active_trials(&jobs).map_err(UsageError)?;
+        let active = slurm::active_trials(&name).map_err(anyhow::Error::msg)?;
         for i in waiting.clone() {
             if active.contains(&i) {
                 continue;
             }
             waiting.remove(&i);
-            let record =
-                std::fs::read_to_string(schedule::trial_dir(sweep_dir, i).join(slurm::RECORD))
-                    .ok()
-                    .and_then(|t| serde_json::from_str::<slurm::ElementRecord>(&t).ok());
-            let (code, wall, place) = match record {
-                Some(r) => (r.exit_code, r.wall_s, r.place),
-                // Ended without recording: cancelled or killed with its element.
-                None => (None, 0.0, format!("Slurm job {}", job_ids(&jobs))),
-            };
-            let o = schedule::ended(sweep_dir, &trials[i], metric, code, place, wall);
+            let o = element_outcome(sweep_dir, &trials[i], metric);
             let done = total - waiting.len();
             eprintln!(
                 "{}",
@@ -272,21 +274,33 @@ fn run_slurm(
         if last_status.elapsed().as_secs() >= 60 && !waiting.is_empty() {
             last_status = std::time::Instant::now();
             eprintln!(
-                "kiln sweep: {}/{total} trials done, {} queued or running in Slurm (jobs {})",
+                "kiln sweep: {}/{total} trials done, {} queued or running in Slurm ({name})",
                 total - waiting.len(),
                 waiting.len(),
-                job_ids(&jobs)
             );
         }
-        if !waiting.is_empty() {
-            std::thread::sleep(std::time::Duration::from_secs(2));
+        // Often at first, when short trials end, then gently on the controller.
+        let pause = if started.elapsed().as_secs() < 60 {
+            3
+        } else {
+            30
+        };
+        let until = std::time::Instant::now() + std::time::Duration::from_secs(pause);
+        while !waiting.is_empty()
+            && std::time::Instant::now() < until
+            && !interrupt.load(Ordering::SeqCst)
+        {
+            std::thread::sleep(std::time::Duration::from_millis(200));
         }
     }
     if !waiting.is_empty() {
         eprintln!(
-            "kiln sweep: {} trial(s) stay in Slurm's queue (jobs {}); scancel stops them",
+            "kiln sweep: {} trial(s) stay in Slurm's queue ({name}, jobs {}); scancel stops them",
             waiting.len(),
-            job_ids(&jobs)
+            jobs.iter()
+                .map(|j| j.job_id.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
         );
     }
     Ok(Some(
@@ -296,6 +310,30 @@ fn run_slurm(
             .map(|(i, o)| o.unwrap_or_else(|| schedule::not_run(i)))
             .collect(),
     ))
+}
+
+/// How a trial that left Slurm's queue ended, from its element's record. Without one
+/// (the element was killed, or shared storage has not shown the file yet, so it is
+/// read again after 5 s) the trial's own `summary.json` decides.
+fn element_outcome(sweep_dir: &Path, trial: &Trial, metric: &str) -> Outcome {
+    let path = schedule::trial_dir(sweep_dir, trial.index).join(slurm::RECORD);
+    let read = || {
+        std::fs::read_to_string(&path)
+            .ok()
+            .and_then(|t| serde_json::from_str::<slurm::ElementRecord>(&t).ok())
+    };
+    let record = read().or_else(|| {
+        std::thread::sleep(std::time::Duration::from_secs(5));
+        read()
+    });
+    match record {
+        Some(r) => schedule::ended(sweep_dir, trial, metric, r.exit_code, r.place, r.wall_s),
+        None => {
+            let finished = schedule::finished_earlier(sweep_dir, trial, metric).is_some();
+            let place = "Slurm (no record: cancelled or killed?)".to_string();
+            schedule::ended(sweep_dir, trial, metric, finished.then_some(0), place, 0.0)
+        }
+    }
 }
 
 /// A Slurm array element: trial `index`'s `kiln train` here, on the GPUs Slurm gave

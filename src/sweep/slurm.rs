@@ -2,9 +2,10 @@
 //! element's index is its trial's; the element runs `kiln sweep --resume DIR --trial
 //! INDEX` on the node Slurm picks, which runs the trial's `kiln train` exactly as a
 //! local sweep would, in the trial's folder on shared storage, and records how it
-//! ended there (`slurm.json`). Every submission is kept in `slurm/jobs.json`, so
-//! `--resume` waits for elements still in the queue and submits only trials that are
-//! neither finished nor queued.
+//! ended there (`slurm.json`). Every array is named after the sweep folder
+//! (`kiln-NAME`), so kiln finds a sweep's elements in the queue by name, even from a
+//! submission it could not record; `--resume` waits for those and submits only trials
+//! that are neither finished nor queued. `slurm/jobs.json` lists the job ids for people.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -37,6 +38,11 @@ fn jobs_file(sweep_dir: &Path) -> PathBuf {
     sweep_dir.join("slurm").join("jobs.json")
 }
 
+/// Whether this sweep was ever submitted to Slurm.
+pub fn submitted(sweep_dir: &Path) -> bool {
+    jobs_file(sweep_dir).is_file()
+}
+
 pub fn load_jobs(sweep_dir: &Path) -> Result<Vec<Submission>, String> {
     let path = jobs_file(sweep_dir);
     match std::fs::read_to_string(&path) {
@@ -46,10 +52,32 @@ pub fn load_jobs(sweep_dir: &Path) -> Result<Vec<Submission>, String> {
     }
 }
 
+/// Written whole or not at all (a temporary file renamed over the old one).
 pub fn save_jobs(sweep_dir: &Path, jobs: &[Submission]) -> std::io::Result<()> {
     let path = jobs_file(sweep_dir);
     std::fs::create_dir_all(path.parent().expect("has a parent"))?;
-    std::fs::write(path, serde_json::to_string_pretty(jobs)?)
+    let tmp = path.with_extension("json.tmp");
+    std::fs::write(&tmp, serde_json::to_string_pretty(jobs)?)?;
+    std::fs::rename(tmp, path)
+}
+
+/// The job name of a sweep's arrays.
+pub fn job_name(sweep_dir: &Path) -> String {
+    let name = sweep_dir
+        .file_name()
+        .map_or("sweep".into(), |n| n.to_string_lossy().into_owned());
+    format!("kiln-{name}")
+}
+
+/// Why Slurm cannot take this sweep folder, if it cannot: `#SBATCH` lines end at white
+/// space and read `%` as a file-name pattern.
+pub fn unusable_path(sweep_dir: &Path) -> Option<String> {
+    let text = sweep_dir.to_string_lossy();
+    text.contains(|c: char| c.is_whitespace() || c == '%').then(|| {
+        format!(
+            "the sweep folder {text} has white space or `%` in its path, which sbatch's #SBATCH lines cannot hold; choose an --output without them"
+        )
+    })
 }
 
 /// Slurm's `--array` list: runs of consecutive indices as ranges (`0-2,5,7-8`).
@@ -78,6 +106,7 @@ fn quote(s: &str) -> String {
 
 /// Everything the batch script needs.
 pub struct Batch<'a> {
+    /// The job name ([`job_name`]).
     pub name: &'a str,
     pub sweep_dir: &'a Path,
     pub exe: &'a Path,
@@ -95,7 +124,7 @@ pub fn batch_script(b: &Batch) -> String {
         "#!/bin/bash".to_string(),
         "# Written by `kiln sweep --launcher slurm`: one array element per trial, the".into(),
         "# element's index is the trial's.".into(),
-        format!("#SBATCH --job-name=kiln-{}", b.name),
+        format!("#SBATCH --job-name={}", b.name),
     ];
     let throttle = if b.max_parallel > 0 {
         format!("%{}", b.max_parallel)
@@ -158,49 +187,53 @@ pub fn submit(script: &Path) -> Result<String, String> {
     Ok(id)
 }
 
-/// The trials of `jobs` that are still queued or running.
-pub fn active_trials(jobs: &[Submission]) -> Result<BTreeSet<usize>, String> {
-    if jobs.is_empty() {
-        return Ok(BTreeSet::new());
+/// The trials of the sweep whose arrays are named `name` that are still queued or
+/// running. squeue is asked three times, 5 s apart, before its failure is an error (a
+/// busy controller should not end a long wait).
+pub fn active_trials(name: &str) -> Result<BTreeSet<usize>, String> {
+    let mut last = String::new();
+    for attempt in 0..3 {
+        if attempt > 0 {
+            std::thread::sleep(std::time::Duration::from_secs(5));
+        }
+        // This user's jobs in every partition (`--all`: hidden ones too), one line per
+        // element; asking by job id would fail once Slurm has forgotten the job.
+        let out = Command::new("squeue")
+            .args(["--me", "--all", "--noheader", "--array", "--format=%j %K"])
+            .output()
+            .map_err(|e| {
+                format!("cannot run squeue ({e}); is Slurm's client installed and on PATH?")
+            })?;
+        if out.status.success() {
+            return Ok(parse_queue(&String::from_utf8_lossy(&out.stdout), name));
+        }
+        last = String::from_utf8_lossy(&out.stderr).trim().to_string();
     }
-    // Asking for this user's jobs, not for the ids: squeue fails on an id Slurm has
-    // already forgotten.
-    let out = Command::new("squeue")
-        .args(["--me", "--noheader", "--array", "--format=%F %K"])
-        .output()
-        .map_err(|e| {
-            format!("cannot run squeue ({e}); is Slurm's client installed and on PATH?")
-        })?;
-    if !out.status.success() {
-        return Err(format!(
-            "squeue failed: {}",
-            String::from_utf8_lossy(&out.stderr).trim()
-        ));
-    }
-    Ok(parse_queue(&String::from_utf8_lossy(&out.stdout), jobs))
+    Err(format!("squeue failed three times: {last}"))
 }
 
-/// `squeue --format="%F %K"` lines (array job id, array index) that belong to `jobs`.
+/// `squeue --format="%j %K"` lines (job name, array index) of the arrays named `name`.
 /// A pending element can show as a range of indices (`3-5%2`) until it starts.
-pub fn parse_queue(text: &str, jobs: &[Submission]) -> BTreeSet<usize> {
+pub fn parse_queue(text: &str, name: &str) -> BTreeSet<usize> {
     let mut out = BTreeSet::new();
     for line in text.lines() {
         let mut words = line.split_whitespace();
         let (Some(job), Some(tasks)) = (words.next(), words.next()) else {
             continue;
         };
-        let Some(sub) = jobs.iter().find(|s| s.job_id == job) else {
+        if job != name {
             continue;
-        };
+        }
         let tasks = tasks.split('%').next().unwrap_or("");
         for part in tasks.split(',') {
             let bounds: Vec<Option<usize>> = part.split('-').map(|n| n.parse().ok()).collect();
-            let (lo, hi) = match bounds[..] {
-                [Some(a)] => (a, a),
-                [Some(a), Some(b)] => (a, b),
-                _ => continue,
-            };
-            out.extend(sub.trials.iter().copied().filter(|t| (lo..=hi).contains(t)));
+            match bounds[..] {
+                [Some(a)] => {
+                    out.insert(a);
+                }
+                [Some(a), Some(b)] => out.extend(a..=b),
+                _ => {}
+            }
         }
     }
     out
@@ -226,7 +259,7 @@ mod tests {
             sbatch_args: vec!["--qos=high".into()],
         };
         let b = Batch {
-            name: "lr",
+            name: "kiln-lr",
             sweep_dir: Path::new("/shared/sweeps/lr-1"),
             exe: Path::new("/opt/it's/kiln"),
             trials: &[0, 1, 3],
@@ -260,19 +293,20 @@ mod tests {
     }
 
     #[test]
-    fn the_queue_is_read_for_this_sweeps_jobs_only() {
-        let jobs = vec![
-            Submission {
-                job_id: "41".into(),
-                trials: vec![0, 1, 2, 3, 4, 5],
-            },
-            Submission {
-                job_id: "57".into(),
-                trials: vec![2],
-            },
-        ];
-        let text = "41 1\n41 3-5%2\n99 0\n57 2\ngarbage\n";
-        assert_eq!(parse_queue(text, &jobs), BTreeSet::from([1, 2, 3, 4, 5]));
-        assert!(parse_queue("", &jobs).is_empty());
+    fn the_queue_is_read_for_this_sweeps_arrays_only() {
+        let text = "kiln-lr-1 1\nkiln-lr-1 3-5%2\nkiln-other 0\nkiln-lr-1 7,9\ngarbage\n";
+        assert_eq!(
+            parse_queue(text, "kiln-lr-1"),
+            BTreeSet::from([1, 3, 4, 5, 7, 9])
+        );
+        assert!(parse_queue("", "kiln-lr-1").is_empty());
+    }
+
+    #[test]
+    fn paths_sbatch_cannot_hold_are_refused() {
+        assert!(unusable_path(Path::new("/shared/my sweeps/lr-1")).is_some());
+        assert!(unusable_path(Path::new("/shared/100%/lr-1")).is_some());
+        assert!(unusable_path(Path::new("/shared/sweeps/lr-1")).is_none());
+        assert_eq!(job_name(Path::new("/shared/sweeps/lr-1")), "kiln-lr-1");
     }
 }

@@ -609,32 +609,122 @@ fn a_sweep_runs_every_trial_records_a_failing_one_and_resumes() {
     assert!(!dir.join("none").exists());
 }
 
+/// A stand-in for Slurm's client in `dir/bin`: `sbatch` runs every element of the
+/// script's array at once, in order (as node `fake`, job 42) and records the array list;
+/// `squeue` prints `dir/bin/queue.txt`.
+fn fake_slurm(dir: &std::path::Path) -> std::path::PathBuf {
+    let bin = dir.join("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    let sbatch = r#"#!/bin/sh
+script="$2"
+spec=$(sed -n 's/^#SBATCH --array=\([^%]*\).*/\1/p' "$script")
+echo "$spec" >> "$(dirname "$0")/arrays.txt"
+for part in $(echo "$spec" | tr , ' '); do
+  i=${part%-*}
+  while [ "$i" -le "${part#*-}" ]; do
+    SLURM_ARRAY_TASK_ID=$i SLURM_ARRAY_JOB_ID=42 SLURMD_NODENAME=fake sh "$script" > /dev/null 2>&1
+    i=$((i + 1))
+  done
+done
+echo 42
+"#;
+    let squeue = "#!/bin/sh\ncat \"$(dirname \"$0\")/queue.txt\" 2> /dev/null\nexit 0\n";
+    for (name, text) in [("sbatch", sbatch), ("squeue", squeue)] {
+        let path = bin.join(name);
+        std::fs::write(&path, text).unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    bin
+}
+
 #[test]
-fn slurm_options_need_the_slurm_launcher_and_a_missing_sbatch_is_named() {
-    let dir = tempdir("slurm-cli");
+fn a_slurm_sweep_submits_waits_gathers_and_resubmits_only_what_is_not_queued() {
+    let dir = tempdir("slurm-fake");
+    let bin = fake_slurm(&dir);
     let file = dir.join("sweep.toml");
     std::fs::write(
         &file,
-        format!("base = {DEBUG_TOML:?}\ngpus_per_trial = 0\n[grid]\n\"optim.lr\" = [0.1]\n"),
+        format!(
+            "base = {DEBUG_TOML:?}\ngpus_per_trial = 0\nmax_restarts = 0\nset = [\"train.epochs=1\"]\n[grid]\n\"train.batch_size\" = [16, 32, 100000]\n[slurm]\npartition = \"debug\"\n"
+        ),
     )
     .unwrap();
-    let sweep = |extra: &[&str]| {
+    let path = format!("{}:/usr/bin:/bin", bin.display());
+    let sweep = |args: &[&str]| {
         let mut cmd = kiln();
-        cmd.args(["sweep", "--config"])
-            .arg(&file)
-            .arg("--output")
-            .arg(dir.join("sweeps"))
-            .args(extra)
-            // No Slurm client on this PATH, whatever the machine has.
-            .env("PATH", dir.join("no-bin"));
+        cmd.arg("sweep").args(args).env("PATH", &path);
         Output::of(&mut cmd)
     };
-    sweep(&["--partition", "gpu"])
+    let out = dir.join("sweeps");
+    let (f, outs) = (file.to_str().unwrap(), out.to_str().unwrap());
+    sweep(&["--config", f, "--output", outs, "--launcher", "slurm"])
+        .code(1)
+        .stderr_has("submitted 3 trial(s) (0-2) as Slurm job array 42")
+        .stderr_has("trial 0 finished (exit 0)")
+        .stderr_has("trial 2 failed (exit 2)");
+    let run = run_dir(&out);
+    let script = std::fs::read_to_string(run.join("slurm/submit-1.sh")).unwrap();
+    assert!(script.contains("#SBATCH --partition=debug"), "{script}");
+    let csv = std::fs::read_to_string(run.join("results.csv")).unwrap();
+    assert!(csv.contains("fake (job 42_1)"), "{csv}");
+    assert!(run.join("best.toml").is_file());
+
+    // Trial 2 still queued: --resume (Slurm, since the sweep went there) waits for it
+    // and submits nothing; a local resume is refused.
+    let name = run.file_name().unwrap().to_str().unwrap();
+    std::fs::write(
+        bin.join("queue.txt"),
+        format!("kiln-{name} 2\nkiln-other 0\n"),
+    )
+    .unwrap();
+    let r = run.to_str().unwrap();
+    let o = sweep(&["--resume", r, "--no-wait"]);
+    assert!(!o.stderr.contains("submitted"), "{}", o.stderr);
+    o.success()
+        .stderr_has("trial 1 finished earlier, skipped")
+        .stderr_has("trial 2 is still in Slurm's queue");
+    sweep(&["--resume", r, "--launcher", "local"])
+        .code(2)
+        .stderr_has("was submitted to Slurm");
+
+    // Out of the queue and failed: only trial 2 goes back.
+    std::fs::remove_file(bin.join("queue.txt")).unwrap();
+    sweep(&["--resume", r])
+        .code(1)
+        .stderr_has("submitted 1 trial(s) (2)")
+        .stderr_has("trial 2 failed (exit 2)");
+    let arrays = std::fs::read_to_string(bin.join("arrays.txt")).unwrap();
+    assert_eq!(arrays, "0-2\n2\n");
+
+    // Slurm options without Slurm, and no Slurm client at all.
+    let empty = format!("{}", dir.join("no-bin").display());
+    let mut cmd = kiln();
+    cmd.args([
+        "sweep",
+        "--config",
+        f,
+        "--output",
+        outs,
+        "--partition",
+        "gpu",
+    ]);
+    Output::of(cmd.env("PATH", &empty))
         .code(2)
         .stderr_has("--partition is a Slurm option: add --launcher slurm");
-    sweep(&["--launcher", "slurm"])
+    let mut cmd = kiln();
+    cmd.args([
+        "sweep",
+        "--config",
+        f,
+        "--output",
+        outs,
+        "--launcher",
+        "slurm",
+    ]);
+    Output::of(cmd.env("PATH", &empty))
         .code(2)
-        .stderr_has("cannot run sbatch")
+        .stderr_has("cannot run squeue")
         .stderr_has("Slurm's client");
 }
 

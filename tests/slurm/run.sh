@@ -122,5 +122,5 @@ grep -q '"exit_code":130' "$LONG/trial-000/slurm.json" || fail "the cancelled tr
 "$KILN" sweep --resume "$LONG" --launcher slurm > "$D/4.out" 2> "$D/4.err" || fail "the resumed sweep should finish: $(cat "$D/4.err")"
 cat "$D/4.err"
 grep -q "trial 0 finished" "$D/4.err" || fail "the resumed trial should finish"
-grep -qi "resum" "$LONG/trial-000/log.txt" || fail "the trial's log should show it resumed"
+grep -q "kiln: resuming from" "$LONG/trial-000/log.txt" || fail "the trial's log should show it resumed from its checkpoint"
 echo "slurm test: passed"
