@@ -10,6 +10,9 @@
 #            fifth session's device time ended after stage 1 and a follow-up call on the
 #            still-warm machine (`kiln train --resume` of the bf16 run, the fp16/bf16
 #            benches and PyTorch's references; commands in BENCHMARKS.md).
+# Not yet run on a GPU: the cuDNN-against-Burn correctness test, an ignored unit test
+# (`cargo test --release --no-run`, carry the stripped test binary, run it with
+# `--ignored cudnn_matches` on the GPU machine).
 # Results and the kernel caches come back in $OUT. Expects .gpu/kiln.xz and optionally
 # .gpu/caches.tar.xz (as two-gpus.sh).
 set -u

@@ -520,3 +520,64 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> ConvBackend
         }
     }
 }
+
+/// On a GPU only (`cargo test --release -- --ignored cudnn`, or the test binary with
+/// `--ignored` on a GPU machine): cuDNN against Burn's kernels, through autodiff and
+/// the fusion stream, for every part, strided shapes with odd sizes, f32 and bf16.
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops::conv2d;
+    use burn::backend::Autodiff;
+    use burn::backend::cuda::{Cuda, CudaDevice};
+    use burn::tensor::{Distribution, FloatDType, Tensor as T};
+
+    type B = Autodiff<Cuda>;
+
+    fn run(route: CudnnRoute, dtype: FloatDType, stride: usize, size: usize) -> [Vec<f32>; 3] {
+        set_route(route);
+        let dev = CudaDevice::new(0);
+        <B as burn::tensor::backend::Backend>::seed(&dev, 7);
+        let normal = Distribution::Normal(0.0, 1.0);
+        let x = T::<B, 4>::random([4, 8, size, size], normal, &dev).require_grad();
+        let w = T::<B, 4>::random([16, 8, 3, 3], normal, &dev).require_grad();
+        let options = ConvOptions::new([stride, stride], [1, 1], [1, 1], 1);
+        let y = conv2d(x.clone().cast(dtype), w.clone().cast(dtype), options).cast(FloatDType::F32);
+        let n = y.shape().num_elements() as i64;
+        let weights = T::<B, 1, burn::tensor::Int>::arange(0..n, &dev)
+            .float()
+            .reshape(y.shape())
+            / n as f32;
+        let grads = (y.clone() * weights).sum().backward();
+        let v = |t: burn::tensor::TensorData| t.convert::<f32>().to_vec::<f32>().unwrap();
+        [
+            v(y.into_data()),
+            v(x.grad(&grads).unwrap().into_data()),
+            v(w.grad(&grads).unwrap().into_data()),
+        ]
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA GPU and cuDNN"]
+    fn cudnn_matches_burns_kernels_on_the_gpu() {
+        probe(0).expect("cuDNN should load on this machine");
+        for (dtype, tol) in [(FloatDType::F32, 2e-2), (FloatDType::BF16, 1e-1)] {
+            for (stride, size) in [(1, 9), (2, 7), (2, 8)] {
+                let ours = run(CudnnRoute::All, dtype, stride, size);
+                let burn = run(CudnnRoute::None, dtype, stride, size);
+                for (part, (a, b)) in ["output", "input grad", "weight grad"]
+                    .iter()
+                    .zip(ours.iter().zip(&burn))
+                {
+                    let scale = b.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
+                    let diff = a.iter().zip(b).fold(0f32, |m, (p, q)| m.max((p - q).abs()));
+                    assert!(
+                        diff / scale < tol,
+                        "{dtype:?} stride {stride} size {size}: {part} differs by {diff} (scale {scale})"
+                    );
+                }
+            }
+        }
+        set_route(CudnnRoute::None);
+    }
+}
