@@ -22,7 +22,6 @@ use std::sync::{Mutex, OnceLock};
 use burn::cubecl::cuda::CudaRuntime;
 use burn::cubecl::future::block_on;
 use burn::cubecl::server::Handle;
-use burn::tensor::ops::conv::calculate_conv_output_size;
 use burn::tensor::ops::{ConvOptions, FloatTensor, ModuleOps};
 use burn::tensor::{DType, Shape};
 use burn_cubecl::kernel::into_contiguous;
@@ -31,7 +30,7 @@ use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
 use cudarc::cudnn::{result as dnn, sys};
 use cudarc::driver::{result as drv, sys as dsys};
 
-use super::{ConvBackend, CudnnRoute, Part};
+use super::{ConvBackend, CudnnRoute, Part, conv2d_output_dims};
 
 type Tensor = CubeTensor<CudaRuntime>;
 
@@ -381,16 +380,8 @@ fn run(
     let yd = match &grad {
         Some(g) => dims(g),
         None => {
-            let out = |d: usize| {
-                calculate_conv_output_size(
-                    wd[2 + d] as usize,
-                    options.stride[d],
-                    options.padding[d],
-                    options.dilation[d],
-                    xd[2 + d] as usize,
-                ) as i32
-            };
-            [xd[0], wd[0], out(0), out(1)]
+            let size = |d: [i32; 4]| d.map(|v| v as usize);
+            conv2d_output_dims(size(xd), size(wd), options).map(|v| v as i32)
         }
     };
     let out_dims = match part {

@@ -5,13 +5,12 @@
 use std::marker::PhantomData;
 
 use burn::tensor::Shape;
-use burn::tensor::ops::conv::calculate_conv_output_size;
 use burn::tensor::ops::{ConvOptions, FloatTensor};
 use burn_fusion::stream::{Operation, OperationStreams};
 use burn_fusion::{Fusion, FusionBackend, FusionRuntime, FusionTensor};
 use burn_ir::{CustomOpIr, HandleContainer, OperationIr, OperationOutput, TensorIr};
 
-use super::{ConvBackend, Part};
+use super::{ConvBackend, Part, conv2d_output_dims};
 
 #[derive(Debug)]
 struct ConvOp<B> {
@@ -67,17 +66,12 @@ impl<B: FusionBackend + ConvBackend> ConvBackend for Fusion<B> {
         weight: FloatTensor<Self>,
         options: ConvOptions<2>,
     ) -> FloatTensor<Self> {
-        let (xs, ws) = (&x.shape, &weight.shape);
-        let out = |d: usize| {
-            calculate_conv_output_size(
-                ws[2 + d],
-                options.stride[d],
-                options.padding[d],
-                options.dilation[d],
-                xs[2 + d],
-            )
-        };
-        let shape = Shape::new([xs[0], ws[0], out(0), out(1)]);
+        let dims = |s: &Shape| [s[0], s[1], s[2], s[3]];
+        let shape = Shape::new(conv2d_output_dims(
+            dims(&x.shape),
+            dims(&weight.shape),
+            &options,
+        ));
         register::<B>(
             Part::Forward,
             "kiln_conv2d",

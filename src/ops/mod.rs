@@ -10,6 +10,25 @@ mod fusion;
 
 pub use conv::{ConvBackend, conv2d};
 
+/// The output shape (NKPQ) of a convolution of `x` (NCHW) by `weight` (KCRS).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn conv2d_output_dims(
+    x: [usize; 4],
+    weight: [usize; 4],
+    options: &burn::tensor::ops::ConvOptions<2>,
+) -> [usize; 4] {
+    let out = |d: usize| {
+        burn::tensor::ops::conv::calculate_conv_output_size(
+            weight[2 + d],
+            options.stride[d],
+            options.padding[d],
+            options.dilation[d],
+            x[2 + d],
+        )
+    };
+    [x[0], weight[0], out(0), out(1)]
+}
+
 /// Which convolutions run on cuDNN on CUDA; the others run on Burn's kernels.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CudnnRoute {
