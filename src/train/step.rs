@@ -62,7 +62,12 @@ pub fn to_device<B: Backend>(
     device: &B::Device,
 ) -> (Tensor<B, 4>, Tensor<B, 1, Int>) {
     let n = batch.labels.len();
-    let images = Tensor::from_data(TensorData::new(batch.images, batch.shape), device);
+    // Uploaded flat, then reshaped (free on a contiguous tensor): cubecl 0.10 writes a
+    // tensor of rank 2 or more with a pitched 2-D copy from pageable memory, which ran
+    // at 0.46 GB/s for ResNet-50's 224 px batches; a rank-1 tensor is one linear copy.
+    let len = batch.images.len();
+    let images = Tensor::<B, 1>::from_data(TensorData::new(batch.images, [len]), device)
+        .reshape(batch.shape);
     let labels = Tensor::from_data(TensorData::new(batch.labels, [n]), device);
     (images, labels)
 }
