@@ -3,7 +3,8 @@
 # idle between calls for more than 30 s is handed back with all it held.
 # Expects .gpu/kiln.xz (a stripped, xz-compressed release binary) and optionally
 # .gpu/caches.tar.xz (kiln's kernel and autotune caches from an earlier call); results
-# go to $OUT/res, the caches come back as $OUT/caches.tar.xz.
+# go to $OUT/res and come back as one archive, $OUT/res.tar.gz (the tool returns a
+# limited number of files per call), the caches as $OUT/caches.tar.xz.
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 START=$(date +%s); DEADLINE=${DEADLINE:-520}
 RES=$OUT/res; mkdir -p "$RES" /tmp/kc /tmp/runs
@@ -51,5 +52,6 @@ finish() {
   pkill -x kiln; sleep 1
   tail -n 3 "$RES"/*.log
   cat "$RES/pipeline.log"
+  tar czf "$OUT/res.tar.gz" -C "$OUT" res && rm -r "$RES"
   tar cf - -C "$C" . | xz -T0 -3 > "$OUT/caches.tar.xz"; ls -la "$OUT"
 }

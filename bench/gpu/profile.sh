@@ -2,7 +2,9 @@
 # The seventh session's GPU call (one H200, `nvidia-h200`): the flat image upload of
 # `train::step::to_device`, ResNet-50 and ResNet-18 benches with PyTorch beside them, an Nsight Systems
 # capture of ResNet-50's warm steps read by bench/nsys_window.py (GPU busy fraction,
-# kernels, host API calls), then ResNet-18 in bf16 (issue 10). See lib.sh.
+# kernels, host API calls; nsys was absent on the first call), then ResNet-18 in bf16
+# (issue 10). The second call ran it again with jemalloc as the global allocator. See
+# lib.sh.
 set -u
 source "$(dirname "$0")/lib.sh"
 
