@@ -5,11 +5,11 @@
 //! bindings, cuDNN 9) and probed before training; a call it refuses (a shape or dtype
 //! without an algorithm) runs on Burn's kernels.
 //!
-//! cubecl keeps its CUDA streams private, so a cuDNN call cannot be queued behind the
-//! kernels that produce its inputs. Instead it waits for this thread's cubecl stream
-//! (`client.sync()`), runs on a stream of its own, and waits for that stream before
-//! handing the result back: two host synchronisations per call, and buffers that
-//! cannot be reused under a running kernel.
+//! cubecl keeps its CUDA streams private, so cuDNN runs on a stream of its own, ordered
+//! against this thread's cubecl stream on the GPU (`stream_order`): the host queues
+//! the call and goes on. Where that cannot be set up, the call waits on the host for
+//! cubecl's stream before and for its own after, as the first version did (two host
+//! synchronisations per convolution, each draining the GPU's queue).
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -30,9 +30,11 @@ use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
 use cudarc::cudnn::{result as dnn, sys};
 use cudarc::driver::{result as drv, sys as dsys};
 
+use super::stream_order::Handover;
 use super::{ConvBackend, CudnnRoute, Part, conv2d_output_dims};
 
 type Tensor = CubeTensor<CudaRuntime>;
+type Client = burn::cubecl::client::ComputeClient<CudaRuntime>;
 
 /// The most workspace one convolution gets; an algorithm that asks for more is passed
 /// over for cuDNN's next proposal.
@@ -102,6 +104,9 @@ struct Dnn {
     handle: sys::cudnnHandle_t,
     stream: dsys::CUstream,
     context: dsys::CUcontext,
+    /// Made on the first call; `Err` once stream memory operations failed here, which
+    /// sends this thread's calls through host synchronisations.
+    handover: Option<Result<Handover, ()>>,
 }
 
 thread_local! {
@@ -111,7 +116,7 @@ thread_local! {
     static DNN: RefCell<HashMap<usize, Dnn>> = RefCell::new(HashMap::new());
 }
 
-fn with_dnn<T>(ordinal: usize, f: impl FnOnce(&Dnn) -> Result<T, String>) -> Result<T, String> {
+fn with_dnn<T>(ordinal: usize, f: impl FnOnce(&mut Dnn) -> Result<T, String>) -> Result<T, String> {
     DNN.with(|map| {
         let mut map = map.borrow_mut();
         let dnn = match map.entry(ordinal) {
@@ -147,7 +152,25 @@ impl Dnn {
             handle,
             stream,
             context,
+            handover: None,
         })
+    }
+
+    /// This thread's hand-over flags, or `None` where they cannot be used.
+    fn handover(&mut self, client: &Client) -> Option<&mut Handover> {
+        let h = self
+            .handover
+            .get_or_insert_with(|| Handover::new(client).map_err(|e| warn_host_sync(&e)));
+        h.as_mut().ok()
+    }
+}
+
+fn warn_host_sync(e: &str) {
+    static WARNED: AtomicBool = AtomicBool::new(false);
+    if !WARNED.swap(true, Ordering::Relaxed) {
+        eprintln!(
+            "kiln: warning: cuDNN's stream cannot be ordered on the GPU ({e}); every convolution waits on the host instead (slower)"
+        );
     }
 }
 
@@ -396,6 +419,12 @@ fn run(
     with_dnn(x.device.index, |dnn| {
         let plan = choose(dnn, part, &descs)?;
         let workspace = (plan.workspace > 0).then(|| client.empty(plan.workspace));
+        let stream = dnn.stream;
+        let token = dnn.handover(&client).and_then(|h| {
+            h.wait_for_cubecl(&client, stream)
+                .inspect_err(|e| warn_host_sync(e))
+                .ok()
+        });
         // The buffers stay allocated while their resources are held.
         let resource = |h: &Handle| client.get_resource(h.clone()).map_err(|e| format!("{e:?}"));
         let (rx, rw, rout) = (resource(&x.handle)?, resource(&w.handle)?, resource(&out)?);
@@ -410,8 +439,10 @@ fn run(
         let pws = rws
             .as_ref()
             .map_or(std::ptr::null_mut(), |r| r.resource().ptr as *mut c_void);
-        // The inputs are complete once this thread's cubecl stream is.
-        block_on(client.sync()).map_err(|e| format!("{e:?}"))?;
+        if token.is_none() {
+            // The inputs are complete once this thread's cubecl stream is.
+            block_on(client.sync()).map_err(|e| format!("{e:?}"))?;
+        }
         let (alpha, beta) = (1.0f32, 0.0f32);
         let (a, b) = (
             &alpha as *const f32 as *const c_void,
@@ -421,8 +452,9 @@ fn run(
         let err = |e: dnn::CudnnError| format!("{part:?} {}: {e:?}", descs.key);
         // SAFETY: the pointers are live device buffers of the sizes the descriptors
         // state (contiguous NCHW, checked dtypes), the workspace is as large as cuDNN
-        // asked, and nothing else writes to them until the stream is synchronised.
-        unsafe {
+        // asked, and no cubecl kernel touches them until the stream's work is done
+        // (the hand-over, or the host waiting below).
+        let result = unsafe {
             dnn::set_convolution_math_type(descs.conv, plan.math).map_err(err)?;
             match plan.algo {
                 Algo::Forward(algo) => dnn::convolution_forward(
@@ -436,10 +468,23 @@ fn run(
                 ),
             }
             .map_err(err)
-            // Waited for even when cuDNN reported an error: work it queued may still
-            // use the buffers, which are released when this returns.
-            .and(drv::stream::synchronize(dnn.stream).map_err(|e| format!("{part:?}: CUDA {e:?}")))
-        }
+        };
+        // Even when cuDNN reported an error: work it queued may still use the buffers,
+        // which cubecl may hand out again once this returns.
+        let ordered = match (token, dnn.handover(&client)) {
+            (Some(t), Some(h)) => h
+                .cubecl_waits_for(&client, stream, t)
+                .inspect_err(|e| warn_host_sync(e))
+                .is_ok(),
+            _ => false,
+        };
+        let waited = if ordered {
+            Ok(())
+        } else {
+            // SAFETY: this thread's stream, created by `Dnn::new` and never destroyed.
+            unsafe { drv::stream::synchronize(stream) }.map_err(|e| format!("{part:?}: CUDA {e:?}"))
+        };
+        result.and(waited)
     })?;
     let shape = Shape::new(out_dims.map(|d| d as usize));
     Ok(Tensor::new_contiguous(

@@ -7,6 +7,8 @@ mod conv;
 pub mod cudnn;
 #[cfg(feature = "cuda")]
 mod fusion;
+#[cfg(feature = "cuda")]
+mod stream_order;
 
 pub use conv::{ConvBackend, conv2d};
 
