@@ -24,6 +24,7 @@
 use burn::cubecl::cuda::CudaRuntime;
 use burn::cubecl::server::Handle;
 use std::ffi::{CString, c_void};
+use std::mem::ManuallyDrop;
 
 use cubecl::prelude::*;
 use cudarc::driver::{result as drv, sys as dsys};
@@ -58,8 +59,10 @@ extern "C" __global__ void store_flag(volatile unsigned int *flags, unsigned int
 /// The two flags of one thread and device, the last token handed out, and kiln's
 /// two kernels (their module is kept until the process ends, as cuDNN's handle is).
 pub struct Handover {
-    /// Held so that cubecl keeps the flags' memory where `ptr` points.
-    flags: Handle,
+    /// Held so that cubecl keeps the flags' memory where `ptr` points, and never
+    /// given back: a thread's last spinning kernel may still read the flags after the
+    /// thread has ended, and freed memory could be handed to another stream.
+    flags: ManuallyDrop<Handle>,
     ptr: u64,
     token: u32,
     wait: dsys::CUfunction,
@@ -93,7 +96,7 @@ impl Handover {
             .resource()
             .ptr;
         Ok(Handover {
-            flags,
+            flags: ManuallyDrop::new(flags),
             ptr,
             token: 0,
             wait,
@@ -121,7 +124,7 @@ impl Handover {
 
     fn flags(&self) -> ArrayArg<CudaRuntime> {
         // SAFETY: the buffer holds two u32 values.
-        unsafe { ArrayArg::from_raw_parts(self.flags.clone(), 2) }
+        unsafe { ArrayArg::from_raw_parts(Handle::clone(&self.flags), 2) }
     }
 
     /// Step 1 and the wait of step 2: `stream` runs nothing queued after this until
@@ -146,7 +149,7 @@ impl Handover {
         // waited for the whole GPU (freeing memory does): a blocking call returns only
         // once the thread has launched everything queued before it.
         client
-            .get_resource(self.flags.clone())
+            .get_resource(Handle::clone(&self.flags))
             .map_err(|e| format!("{e:?}"))?;
         self.launch(self.wait, stream, token)?;
         Ok(token)
