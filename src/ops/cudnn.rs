@@ -104,8 +104,8 @@ struct Dnn {
     handle: sys::cudnnHandle_t,
     stream: dsys::CUstream,
     context: dsys::CUcontext,
-    /// Made on the first call; `Err` once stream memory operations failed here, which
-    /// sends this thread's calls through host synchronisations.
+    /// Made on the first call; `Err` where it could not be (its kernels did not compile
+    /// or load), which sends this thread's calls through host synchronisations.
     handover: Option<Result<Handover, ()>>,
 }
 

@@ -20,16 +20,18 @@
 //! on one SM while cuDNN works, so a cuDNN kernel that needed every SM's full capacity
 //! at once (a cooperative launch) would never start. None did in the shapes measured
 //! (ResNet-18 and -50 and the correctness test); should one hang, the step watchdog
-//! ends the process and the supervisor restarts it from its checkpoint. (CUDA's stream memory operations would spare kiln's two kernels, but
+//! ends the process and the supervisor restarts it from its checkpoint.
+//!
+//! CUDA's stream memory operations would spare kiln's two kernels, but
 //! `cuStreamWaitValue32` on a cubecl buffer returned CUDA_ERROR_INVALID_VALUE on the
-//! H200s here.) Kiln's two kernels are compiled with NVRTC when a thread first needs
+//! H200s here. Kiln's two kernels are compiled with NVRTC when a thread first needs
 //! them, as cubecl compiles its own.
 
-use burn::cubecl::cuda::CudaRuntime;
-use burn::cubecl::server::Handle;
 use std::ffi::{CString, c_void};
 use std::mem::ManuallyDrop;
 
+use burn::cubecl::cuda::CudaRuntime;
+use burn::cubecl::server::Handle;
 use cubecl::prelude::*;
 use cudarc::driver::{result as drv, sys as dsys};
 
