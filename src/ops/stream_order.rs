@@ -36,6 +36,8 @@ use cubecl::prelude::*;
 use cudarc::driver::{result as drv, sys as dsys};
 
 type Client = ComputeClient<CudaRuntime>;
+/// The launch function `#[cube(launch)]` generates for `store_flag` and `await_flag`.
+type CubeLaunch = fn(&Client, CubeCount, CubeDim, ArrayArg<CudaRuntime>, u32);
 
 #[cube(launch)]
 fn store_flag(flags: &mut Array<Atomic<u32>>, token: u32) {
@@ -128,9 +130,17 @@ impl Handover {
             .map_err(|e| cuda("cuLaunchKernel", e))
     }
 
-    fn flags(&self) -> ArrayArg<CudaRuntime> {
+    /// One thread of cubecl kernel `launch(flags, token)` on this thread's cubecl stream.
+    fn on_cubecl(&self, client: &Client, launch: CubeLaunch, token: u32) {
         // SAFETY: the buffer holds two u32 values.
-        unsafe { ArrayArg::from_raw_parts(Handle::clone(&self.flags), 2) }
+        let flags = unsafe { ArrayArg::from_raw_parts(Handle::clone(&self.flags), 2) };
+        launch(
+            client,
+            CubeCount::Static(1, 1, 1),
+            CubeDim::new_1d(1),
+            flags,
+            token,
+        );
     }
 
     /// Step 1 and the wait of step 2: `stream` runs nothing queued after this until
@@ -143,13 +153,7 @@ impl Handover {
         // Never 0, the flags' first value.
         self.token = self.token.wrapping_add(1).max(1);
         let token = self.token;
-        store_flag::launch::<CudaRuntime>(
-            client,
-            CubeCount::Static(1, 1, 1),
-            CubeDim::new_1d(1),
-            self.flags(),
-            token,
-        );
+        self.on_cubecl(client, store_flag::launch::<CudaRuntime>, token);
         // cubecl queues launches for its device thread. A kernel spinning here for a
         // store still in that queue could wait forever if the device thread meanwhile
         // waited for the whole GPU (freeing memory does): a blocking call returns only
@@ -174,13 +178,7 @@ impl Handover {
         // Without this queued, the spinning kernel below would never end: the caller
         // waits on the host instead.
         self.launch(self.store, stream, token)?;
-        await_flag::launch::<CudaRuntime>(
-            client,
-            CubeCount::Static(1, 1, 1),
-            CubeDim::new_1d(1),
-            self.flags(),
-            token,
-        );
+        self.on_cubecl(client, await_flag::launch::<CudaRuntime>, token);
         Ok(())
     }
 }
