@@ -13,6 +13,9 @@ xz -dc .gpu/kiln.xz > "$K" && chmod +x "$K"
 [ -f .gpu/caches.tar.xz ] && tar xJf .gpu/caches.tar.xz -C "$C"
 log() { echo "$(date +%T) +$(( $(date +%s) - START ))s $*" >> "$RES/pipeline.log"; }
 left() { echo $(( DEADLINE - ($(date +%s) - START) )); }
+# Seconds a command may run: what is left, or less where CAP (seconds) is set, so a
+# hang costs that command, not the call.
+limit() { local l; l=$(left); echo $(( ${CAP:-$l} < l ? ${CAP:-$l} : l )); }
 SET=(--set devices.cache_dir=$C)
 FM=(--config configs/resnet.toml "${SET[@]}")
 R18=(--model resnet18 --image-size 32 --batch 256 --steps 50 --warmup 10)
@@ -29,7 +32,7 @@ share_autotune
 bench() {  # name, then kiln bench args
   local name=$1; shift
   [ "$(left)" -gt 60 ] || { log "bench $name skipped"; return; }
-  timeout "$(left)" "$K" bench --json "${SET[@]}" "$@" > "$RES/bench-$name.json" 2> "$RES/bench-$name.log"
+  timeout "$(limit)" "$K" bench --json "${SET[@]}" "$@" > "$RES/bench-$name.json" 2> "$RES/bench-$name.log"
   log "bench $name done ($?)"
 }
 torch() {  # name, then reference args (one GPU, CUDA_VISIBLE_DEVICES set by the caller)
