@@ -87,6 +87,9 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         doc["convolution"] = format!("{:?}", config.train.convolution)
             .to_lowercase()
             .into();
+        doc["batch_norm"] = format!("{:?}", config.train.batch_norm)
+            .to_lowercase()
+            .into();
         println!("{}", serde_json::to_string(&doc)?);
     } else {
         println!(

@@ -24,49 +24,71 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     }
 }
 
-/// Where kernels are cached, how they are tuned and which convolutions cuDNN runs,
-/// from the config and the plan (cuDNN is looked for on the first GPU).
+/// Where kernels are cached, how they are tuned and what cuDNN runs (convolutions,
+/// BatchNorm), from the config and the plan (cuDNN is looked for on the first GPU).
 fn kernel_settings(
     config: &crate::config::Config,
     plan: &crate::device::DevicePlan,
 ) -> anyhow::Result<crate::train::backend::KernelSettings> {
-    use crate::config::{Convolution, Precision};
-    use crate::train::backend::{CudnnRoute, probe_cudnn};
-    let choice = config.train.convolution;
-    let cudnn = match plan {
-        crate::device::DevicePlan::Cuda { gpus, .. } if choice != Convolution::Burn => {
-            match (probe_cudnn(gpus[0].ordinal), choice) {
-                (Ok(version), Convolution::Cudnn) => {
-                    eprintln!("kiln: convolutions: cuDNN {version}");
-                    CudnnRoute::All
-                }
-                (Ok(version), _) => {
-                    let low = config.train.precision != Precision::Fp32;
-                    let note = if low {
-                        " for fp32; bf16/fp16 on Burn's kernels, faster there"
-                    } else {
-                        ""
-                    };
-                    eprintln!("kiln: convolutions: cuDNN {version}{note}");
-                    CudnnRoute::Fp32
-                }
-                (Err(why), Convolution::Cudnn) => anyhow::bail!(
-                    "train.convolution = \"cudnn\" but cuDNN cannot be used: {why}. Install cuDNN 9 \
-                     (e.g. `pip install nvidia-cudnn-cu12`) and add its lib directory to \
-                     LD_LIBRARY_PATH, or set train.convolution = \"auto\" or \"burn\""
-                ),
-                (Err(why), _) => {
-                    eprintln!("kiln: convolutions: Burn's kernels (cuDNN: {why})");
-                    CudnnRoute::None
-                }
-            }
+    use crate::config::{BatchNormKernels, Convolution, Precision};
+    use crate::train::backend::{CudnnRoute, probe_cudnn, probe_cudnn_batch_norm};
+    let (conv, norm) = (config.train.convolution, config.train.batch_norm);
+    let probe = match plan {
+        crate::device::DevicePlan::Cuda { gpus, .. }
+            if conv != Convolution::Burn || norm != BatchNormKernels::Burn =>
+        {
+            Some(probe_cudnn(gpus[0].ordinal))
         }
-        _ => CudnnRoute::None,
+        _ => None,
+    };
+    let install = "Install cuDNN 9 (e.g. `pip install nvidia-cudnn-cu12`) and add its lib \
+                   directory to LD_LIBRARY_PATH";
+    let cudnn = match (&probe, conv) {
+        (None, _) | (_, Convolution::Burn) => CudnnRoute::None,
+        (Some(Ok(version)), Convolution::Cudnn) => {
+            eprintln!("kiln: convolutions: cuDNN {version}");
+            CudnnRoute::All
+        }
+        (Some(Ok(version)), Convolution::Auto) => {
+            let low = config.train.precision != Precision::Fp32;
+            let note = if low {
+                " for fp32; bf16/fp16 on Burn's kernels, faster there"
+            } else {
+                ""
+            };
+            eprintln!("kiln: convolutions: cuDNN {version}{note}");
+            CudnnRoute::Fp32
+        }
+        (Some(Err(why)), Convolution::Cudnn) => anyhow::bail!(
+            "train.convolution = \"cudnn\" but cuDNN cannot be used: {why}. {install}, or set \
+             train.convolution = \"auto\" or \"burn\""
+        ),
+        (Some(Err(why)), Convolution::Auto) => {
+            eprintln!("kiln: convolutions: Burn's kernels (cuDNN: {why})");
+            CudnnRoute::None
+        }
+    };
+    let usable = probe.map(|p| p.and_then(|_| probe_cudnn_batch_norm()));
+    let cudnn_batch_norm = match (usable, norm) {
+        (None, _) | (_, BatchNormKernels::Burn) => false,
+        (Some(Ok(())), _) => {
+            eprintln!("kiln: batch norm: cuDNN");
+            true
+        }
+        (Some(Err(why)), BatchNormKernels::Cudnn) => anyhow::bail!(
+            "train.batch_norm = \"cudnn\" but cuDNN cannot be used: {why}. {install}, or set \
+             train.batch_norm = \"auto\" or \"burn\""
+        ),
+        (Some(Err(why)), BatchNormKernels::Auto) => {
+            eprintln!("kiln: batch norm: Burn's operations (cuDNN: {why})");
+            false
+        }
     };
     Ok(crate::train::backend::KernelSettings {
         cache_dir: crate::device::kernel_cache_dir(&config.devices.cache_dir),
         autotune: config.train.autotune,
         cudnn,
+        cudnn_batch_norm,
     })
 }
 

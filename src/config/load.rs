@@ -307,6 +307,14 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(msg.contains("cudnn") && msg.contains("burn"), "{msg}");
+        use crate::config::BatchNormKernels;
+        assert_eq!(c.train.batch_norm, BatchNormKernels::Auto);
+        let c = load_str("", "t.toml", &sets(&["train.batch_norm=burn"])).unwrap();
+        assert_eq!(c.train.batch_norm, BatchNormKernels::Burn);
+        let msg = load_str("", "t.toml", &sets(&["train.batch_norm=cudn"]))
+            .unwrap_err()
+            .to_string();
+        assert!(msg.contains("cudnn") && msg.contains("auto"), "{msg}");
     }
 
     #[test]

@@ -194,6 +194,21 @@ pub enum Convolution {
     Burn,
 }
 
+/// Which kernels run BatchNorm's training pass on CUDA (batch statistics, forward and
+/// backward). Evaluation always uses Burn's element-wise pass with the running
+/// statistics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BatchNormKernels {
+    /// cuDNN's batch normalisation (one kernel each way per layer) when cuDNN can be
+    /// loaded, otherwise Burn's operations, with a note saying why.
+    Auto,
+    /// cuDNN, or an error before training starts when it cannot be loaded.
+    Cudnn,
+    /// Burn's element-wise and reduction operations (about a dozen per layer forward).
+    Burn,
+}
+
 /// Number format of the training arithmetic.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -255,6 +270,9 @@ pub struct TrainConfig {
     pub autotune: Autotune,
     /// Convolution kernels on CUDA: `auto`, `cudnn` or `burn`; the CPU runs Burn's.
     pub convolution: Convolution,
+    /// BatchNorm's training kernels on CUDA: `auto`, `cudnn` or `burn`; the CPU runs
+    /// Burn's operations.
+    pub batch_norm: BatchNormKernels,
     /// Relative share of each global batch per device, in the order of the devices
     /// used (e.g. `[3, 1]`); empty: equal shares. Only with several devices.
     pub device_weights: Vec<f64>,
@@ -293,6 +311,7 @@ impl Default for TrainConfig {
             hang_timeout_s: 0.0,
             autotune: Autotune::Balanced,
             convolution: Convolution::Auto,
+            batch_norm: BatchNormKernels::Auto,
             device_weights: Vec::new(),
             precision: Precision::Fp32,
             strategy: Strategy::Ddp,

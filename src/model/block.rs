@@ -1,7 +1,7 @@
 //! Residual blocks: the basic two-3x3 block (ResNet-18/34 and the CIFAR ResNets) and
 //! the 1x1-3x3-1x1 bottleneck (ResNet-50, stride on the 3x3 as torchvision's v1.5).
 
-use crate::ops::ConvBackend;
+use crate::ops::{ModelBackend, batch_norm};
 use burn::module::Module;
 use burn::nn::conv::{Conv2d, Conv2dConfig};
 use burn::nn::{BatchNorm, BatchNormConfig, Initializer, PaddingConfig2d};
@@ -47,7 +47,7 @@ pub struct Projection<B: Backend> {
     bn: BatchNorm<B>,
 }
 
-impl<B: ConvBackend> Projection<B> {
+impl<B: ModelBackend> Projection<B> {
     fn new(cin: usize, cout: usize, stride: usize, device: &B::Device) -> Self {
         Projection {
             conv: conv(cin, cout, 1, stride, device),
@@ -56,12 +56,12 @@ impl<B: ConvBackend> Projection<B> {
     }
 
     fn forward(&self, x: Tensor<B, 4>, p: Precision) -> Tensor<B, 4> {
-        self.bn.forward(precision::conv(&self.conv, x, p))
+        batch_norm(&self.bn, precision::conv(&self.conv, x, p))
     }
 }
 
 /// Shortcut: identity when shapes match, else a projection.
-fn shortcut<B: ConvBackend>(
+fn shortcut<B: ModelBackend>(
     cin: usize,
     cout: usize,
     stride: usize,
@@ -79,7 +79,7 @@ pub struct Basic<B: Backend> {
     shortcut: Option<Projection<B>>,
 }
 
-impl<B: ConvBackend> Basic<B> {
+impl<B: ModelBackend> Basic<B> {
     pub fn new(cin: usize, cout: usize, stride: usize, device: &B::Device) -> Self {
         Basic {
             conv1: conv(cin, cout, 3, stride, device),
@@ -96,8 +96,8 @@ impl<B: ConvBackend> Basic<B> {
             Some(s) => s.forward(x.clone(), p),
             None => x.clone(),
         };
-        let y = relu(self.bn1.forward(precision::conv(&self.conv1, x, p)));
-        let y = self.bn2.forward(precision::conv(&self.conv2, y, p));
+        let y = relu(batch_norm(&self.bn1, precision::conv(&self.conv1, x, p)));
+        let y = batch_norm(&self.bn2, precision::conv(&self.conv2, y, p));
         relu(y + identity)
     }
 }
@@ -113,7 +113,7 @@ pub struct Bottleneck<B: Backend> {
     shortcut: Option<Projection<B>>,
 }
 
-impl<B: ConvBackend> Bottleneck<B> {
+impl<B: ModelBackend> Bottleneck<B> {
     /// `width` is the 3x3 convolution's channel count; the block outputs `4 * width`.
     pub fn new(cin: usize, width: usize, stride: usize, device: &B::Device) -> Self {
         let cout = width * 4;
@@ -134,9 +134,9 @@ impl<B: ConvBackend> Bottleneck<B> {
             Some(s) => s.forward(x.clone(), p),
             None => x.clone(),
         };
-        let y = relu(self.bn1.forward(precision::conv(&self.conv1, x, p)));
-        let y = relu(self.bn2.forward(precision::conv(&self.conv2, y, p)));
-        let y = self.bn3.forward(precision::conv(&self.conv3, y, p));
+        let y = relu(batch_norm(&self.bn1, precision::conv(&self.conv1, x, p)));
+        let y = relu(batch_norm(&self.bn2, precision::conv(&self.conv2, y, p)));
+        let y = batch_norm(&self.bn3, precision::conv(&self.conv3, y, p));
         relu(y + identity)
     }
 }
@@ -150,7 +150,7 @@ pub enum Block<B: Backend> {
     Bottleneck(Bottleneck<B>),
 }
 
-impl<B: ConvBackend> Block<B> {
+impl<B: ModelBackend> Block<B> {
     pub fn forward(&self, x: Tensor<B, 4>, p: Precision) -> Tensor<B, 4> {
         match self {
             Block::Basic(b) => b.forward(x, p),

@@ -7,7 +7,7 @@ mod resnet;
 
 pub use resnet::{ModelSpec, ResNet};
 
-use crate::ops::ConvBackend;
+use crate::ops::ModelBackend;
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
@@ -32,7 +32,7 @@ pub trait Classifier<B: Backend>: Module<B> {
     fn forward(&self, images: Tensor<B, 4>) -> Tensor<B, 2>;
 }
 
-impl<B: ConvBackend> Classifier<B> for ResNet<B> {
+impl<B: ModelBackend> Classifier<B> for ResNet<B> {
     fn forward(&self, images: Tensor<B, 4>) -> Tensor<B, 2> {
         ResNet::forward(self, images)
     }

@@ -1,6 +1,6 @@
 //! The ResNet network: stem, residual stages, global average pool, classifier.
 
-use crate::ops::ConvBackend;
+use crate::ops::{ModelBackend, batch_norm};
 use burn::module::Module;
 use burn::nn::conv::Conv2d;
 use burn::nn::pool::{AdaptiveAvgPool2d, AdaptiveAvgPool2dConfig, MaxPool2d, MaxPool2dConfig};
@@ -47,7 +47,7 @@ impl ModelSpec {
         }
     }
 
-    pub fn init<B: ConvBackend>(&self, device: &B::Device) -> ResNet<B> {
+    pub fn init<B: ModelBackend>(&self, device: &B::Device) -> ResNet<B> {
         let l = layout(self.arch);
         let (stem_conv, stem_pool) = match self.stem {
             Stem::Imagenet => {
@@ -108,7 +108,7 @@ pub struct ResNet<B: Backend> {
     precision: Precision,
 }
 
-impl<B: ConvBackend> ResNet<B> {
+impl<B: ModelBackend> ResNet<B> {
     /// The same network computing its convolutions and classifier in `precision`
     /// (`train.precision`; see `model::precision`).
     pub fn with_precision(mut self, precision: Precision) -> Self {
@@ -121,10 +121,10 @@ impl<B: ConvBackend> ResNet<B> {
     /// - returns logits: `[batch, num_classes]`
     pub fn forward(&self, images: Tensor<B, 4>) -> Tensor<B, 2> {
         let p = self.precision;
-        let mut x = relu(
-            self.stem_bn
-                .forward(precision::conv(&self.stem_conv, images, p)),
-        );
+        let mut x = relu(batch_norm(
+            &self.stem_bn,
+            precision::conv(&self.stem_conv, images, p),
+        ));
         if let Some(pool) = &self.stem_pool {
             x = pool.forward(x);
         }

@@ -30,8 +30,9 @@ use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
 use cudarc::cudnn::{result as dnn, sys};
 use cudarc::driver::{result as drv, sys as dsys};
 
+use super::norm::{grad_reference, train_reference};
 use super::stream_order::Handover;
-use super::{ConvBackend, CudnnRoute, Part, conv2d_output_dims};
+use super::{ConvBackend, CudnnRoute, NormBackend, Part, conv2d_output_dims};
 
 type Tensor = CubeTensor<CudaRuntime>;
 type Client = burn::cubecl::client::ComputeClient<CudaRuntime>;
@@ -373,6 +374,61 @@ fn choose(dnn: &Dnn, part: Part, d: &Descriptors) -> Result<Plan, String> {
     Err(refusal)
 }
 
+/// Runs `call` on this thread's cuDNN stream with the device addresses of `buffers`
+/// (null for `None`), ordered on the GPU after the cubecl work queued so far on this
+/// thread and before any queued after (`stream_order`; host waits where that cannot be
+/// set up). The buffers stay allocated while their resources are held.
+fn on_dnn_stream(
+    client: &Client,
+    ordinal: usize,
+    buffers: &[Option<&Handle>],
+    call: impl FnOnce(&Dnn, &[*mut c_void]) -> Result<(), String>,
+) -> Result<(), String> {
+    with_dnn(ordinal, |dnn| {
+        let stream = dnn.stream;
+        let token = dnn.handover(client).and_then(|h| {
+            h.wait_for_cubecl(client, stream)
+                .inspect_err(|e| warn_host_sync(e))
+                .ok()
+        });
+        let resources = buffers
+            .iter()
+            .map(|b| {
+                b.map(|h| client.get_resource(h.clone()).map_err(|e| format!("{e:?}")))
+                    .transpose()
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let pointers: Vec<*mut c_void> = resources
+            .iter()
+            .map(|r| {
+                r.as_ref()
+                    .map_or(std::ptr::null_mut(), |r| r.resource().ptr as *mut c_void)
+            })
+            .collect();
+        if token.is_none() {
+            // The inputs are complete once this thread's cubecl stream is.
+            block_on(client.sync()).map_err(|e| format!("{e:?}"))?;
+        }
+        let result = call(dnn, &pointers);
+        // Even when cuDNN reported an error: work it queued may still use the buffers,
+        // which cubecl may hand out again once this returns.
+        let ordered = match (token, dnn.handover(client)) {
+            (Some(t), Some(h)) => h
+                .cubecl_waits_for(client, stream, t)
+                .inspect_err(|e| warn_host_sync(e))
+                .is_ok(),
+            _ => false,
+        };
+        let waited = if ordered {
+            Ok(())
+        } else {
+            // SAFETY: this thread's stream, created by `Dnn::new` and never destroyed.
+            unsafe { drv::stream::synchronize(stream) }.map_err(|e| format!("CUDA {e:?}"))
+        };
+        result.and(waited)
+    })
+}
+
 fn dims(t: &Tensor) -> [i32; 4] {
     let s = t.meta.shape();
     [s[0] as i32, s[1] as i32, s[2] as i32, s[3] as i32]
@@ -416,33 +472,18 @@ fn run(
     let elements: usize = out_dims.iter().map(|&d| d as usize).product();
     let out = client.empty(elements * x.dtype.size());
     let descs = Descriptors::new(part, data, [xd, wd, yd], options)?;
-    with_dnn(x.device.index, |dnn| {
-        let plan = choose(dnn, part, &descs)?;
-        let workspace = (plan.workspace > 0).then(|| client.empty(plan.workspace));
-        let stream = dnn.stream;
-        let token = dnn.handover(&client).and_then(|h| {
-            h.wait_for_cubecl(&client, stream)
-                .inspect_err(|e| warn_host_sync(e))
-                .ok()
-        });
-        // The buffers stay allocated while their resources are held.
-        let resource = |h: &Handle| client.get_resource(h.clone()).map_err(|e| format!("{e:?}"));
-        let (rx, rw, rout) = (resource(&x.handle)?, resource(&w.handle)?, resource(&out)?);
-        let rgrad = grad.as_ref().map(|g| resource(&g.handle)).transpose()?;
-        let rws = workspace.as_ref().map(resource).transpose()?;
-        let px = rx.resource().ptr as *mut c_void;
-        let pw = rw.resource().ptr as *mut c_void;
-        let pout = rout.resource().ptr as *mut c_void;
-        let pgrad = rgrad
-            .as_ref()
-            .map_or(std::ptr::null_mut(), |r| r.resource().ptr as *mut c_void);
-        let pws = rws
-            .as_ref()
-            .map_or(std::ptr::null_mut(), |r| r.resource().ptr as *mut c_void);
-        if token.is_none() {
-            // The inputs are complete once this thread's cubecl stream is.
-            block_on(client.sync()).map_err(|e| format!("{e:?}"))?;
-        }
+    let ordinal = x.device.index;
+    let plan = with_dnn(ordinal, |dnn| choose(dnn, part, &descs))?;
+    let workspace = (plan.workspace > 0).then(|| client.empty(plan.workspace));
+    let buffers = [
+        Some(&x.handle),
+        Some(&w.handle),
+        Some(&out),
+        grad.as_ref().map(|g| &g.handle),
+        workspace.as_ref(),
+    ];
+    on_dnn_stream(&client, ordinal, &buffers, |dnn, p| {
+        let [px, pw, pout, pgrad, pws] = [p[0], p[1], p[2], p[3], p[4]];
         let (alpha, beta) = (1.0f32, 0.0f32);
         let (a, b) = (
             &alpha as *const f32 as *const c_void,
@@ -451,10 +492,9 @@ fn run(
         let (h, ws) = (dnn.handle, plan.workspace);
         let err = |e: dnn::CudnnError| format!("{part:?} {}: {e:?}", descs.key);
         // SAFETY: the pointers are live device buffers of the sizes the descriptors
-        // state (contiguous NCHW, checked dtypes), the workspace is as large as cuDNN
-        // asked, and no cubecl kernel touches them until the stream's work is done
-        // (the hand-over, or the host waiting below).
-        let result = unsafe {
+        // state (contiguous NCHW, checked dtypes) and the workspace is as large as
+        // cuDNN asked (`on_dnn_stream` orders the stream).
+        unsafe {
             dnn::set_convolution_math_type(descs.conv, plan.math).map_err(err)?;
             match plan.algo {
                 Algo::Forward(algo) => dnn::convolution_forward(
@@ -468,23 +508,7 @@ fn run(
                 ),
             }
             .map_err(err)
-        };
-        // Even when cuDNN reported an error: work it queued may still use the buffers,
-        // which cubecl may hand out again once this returns.
-        let ordered = match (token, dnn.handover(&client)) {
-            (Some(t), Some(h)) => h
-                .cubecl_waits_for(&client, stream, t)
-                .inspect_err(|e| warn_host_sync(e))
-                .is_ok(),
-            _ => false,
-        };
-        let waited = if ordered {
-            Ok(())
-        } else {
-            // SAFETY: this thread's stream, created by `Dnn::new` and never destroyed.
-            unsafe { drv::stream::synchronize(stream) }.map_err(|e| format!("{part:?}: CUDA {e:?}"))
-        };
-        result.and(waited)
+        }
     })?;
     let shape = Shape::new(out_dims.map(|d| d as usize));
     Ok(Tensor::new_contiguous(
@@ -557,6 +581,266 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> ConvBackend
     }
 }
 
+static BATCH_NORM: AtomicBool = AtomicBool::new(false);
+
+/// Whether BatchNorm's training pass runs on cuDNN (after [`probe_batch_norm`]
+/// succeeded). Set once, before training.
+pub fn set_batch_norm(on: bool) {
+    BATCH_NORM.store(on, Ordering::Relaxed);
+}
+
+/// Whether the cuDNN that [`probe`] loaded has the batch normalisation entry points
+/// (cuDNN 9 keeps them in its legacy operations library, which a slimmed install may
+/// leave out; cudarc would panic at the first call).
+pub fn probe_batch_norm() -> Result<(), String> {
+    for name in [
+        "cudnnDeriveBNTensorDescriptor",
+        "cudnnBatchNormalizationForwardTraining",
+        "cudnnBatchNormalizationBackward",
+    ] {
+        // SAFETY: only looks the symbol up; `probe` has loaded the library.
+        let found = unsafe { sys::culib().get::<unsafe extern "C" fn()>(name.as_bytes()) };
+        found.map_err(|e| format!("{name} is missing from cuDNN: {e}"))?;
+    }
+    Ok(())
+}
+
+/// Batch statistics over N, H and W (per channel), as BatchNorm in training.
+const BN_MODE: sys::cudnnBatchNormMode_t = sys::cudnnBatchNormMode_t::CUDNN_BATCHNORM_SPATIAL;
+
+/// The NCHW descriptor of `x` and the `[1, C, 1, 1]` one cuDNN derives from it for the
+/// per-channel parameters and statistics; destroyed on drop.
+struct NormDescriptors {
+    x: sys::cudnnTensorDescriptor_t,
+    channel: sys::cudnnTensorDescriptor_t,
+}
+
+impl NormDescriptors {
+    fn new(dims: [i32; 4]) -> Result<Self, String> {
+        let err = |what: &str, e: dnn::CudnnError| format!("batch norm {what} {dims:?}: {e:?}");
+        let mut d = NormDescriptors {
+            x: std::ptr::null_mut(),
+            channel: std::ptr::null_mut(),
+        };
+        d.x = dnn::create_tensor_descriptor().map_err(|e| err("descriptor", e))?;
+        d.channel = dnn::create_tensor_descriptor().map_err(|e| err("descriptor", e))?;
+        // SAFETY: both descriptors were created above and are alive.
+        unsafe {
+            dnn::set_tensor4d_descriptor(
+                d.x,
+                sys::cudnnTensorFormat_t::CUDNN_TENSOR_NCHW,
+                sys::cudnnDataType_t::CUDNN_DATA_FLOAT,
+                dims,
+            )
+            .map_err(|e| err("input", e))?;
+            sys::cudnnDeriveBNTensorDescriptor(d.channel, d.x, BN_MODE)
+                .result()
+                .map_err(|e| err("channels", e))?;
+        }
+        Ok(d)
+    }
+}
+
+impl Drop for NormDescriptors {
+    fn drop(&mut self) {
+        // SAFETY: each pointer is either null (never created) or a live descriptor.
+        unsafe {
+            for d in [self.x, self.channel] {
+                if !d.is_null() {
+                    let _ = dnn::destroy_tensor_descriptor(d);
+                }
+            }
+        }
+    }
+}
+
+/// The tensors of one batch-normalisation call, contiguous, after checking what
+/// cuDNN's fp32 path takes: `tensors[0]` NCHW, the others `[C]` or `x`'s shape.
+fn norm_inputs<const N: usize>(tensors: [&Tensor; N]) -> Result<[Tensor; N], String> {
+    if let Some(t) = tensors.iter().find(|t| t.dtype != DType::F32) {
+        return Err(format!("no cuDNN batch norm for {:?}", t.dtype));
+    }
+    if tensors[0].meta.shape().num_dims() != 4 {
+        return Err("cuDNN batch norm takes NCHW tensors".into());
+    }
+    Ok(tensors.map(|t| into_contiguous(t.clone())))
+}
+
+fn f32_tensor(client: &Client, x: &Tensor, shape: Shape, handle: Handle) -> Tensor {
+    Tensor::new_contiguous(client.clone(), x.device.clone(), shape, handle, DType::F32)
+}
+
+/// [`NormBackend::batch_norm_train`] through cuDNN.
+fn norm_train(
+    x: &Tensor,
+    gamma: &Tensor,
+    beta: &Tensor,
+    epsilon: f64,
+) -> Result<[Tensor; 3], String> {
+    let [x, gamma, beta] = norm_inputs([x, gamma, beta])?;
+    let xd = dims(&x);
+    let descs = NormDescriptors::new(xd)?;
+    let client = x.client.clone();
+    let (size, channels) = (x.meta.shape().num_elements(), xd[1] as usize);
+    let y = client.empty(size * 4);
+    let (mean, inv_std) = (client.empty(channels * 4), client.empty(channels * 4));
+    let buffers = [&x.handle, &gamma.handle, &beta.handle, &y, &mean, &inv_std].map(Some);
+    on_dnn_stream(&client, x.device.index, &buffers, |dnn, p| {
+        let (one, zero) = (1.0f32, 0.0f32);
+        let (a, b) = (
+            &one as *const f32 as *const c_void,
+            &zero as *const f32 as *const c_void,
+        );
+        let null = std::ptr::null_mut();
+        // SAFETY: contiguous f32 buffers of the described shapes; the running
+        // statistics (both null) are updated by the caller, as Burn's module does.
+        unsafe {
+            sys::cudnnBatchNormalizationForwardTraining(
+                dnn.handle,
+                BN_MODE,
+                a,
+                b,
+                descs.x,
+                p[0],
+                descs.x,
+                p[3],
+                descs.channel,
+                p[1],
+                p[2],
+                0.0,
+                null,
+                null,
+                epsilon,
+                p[4],
+                p[5],
+            )
+        }
+        .result()
+        .map_err(|e| format!("batch norm forward {xd:?}: {e:?}"))
+    })?;
+    let stat = Shape::new([channels]);
+    Ok([
+        f32_tensor(&client, &x, x.meta.shape().clone(), y),
+        f32_tensor(&client, &x, stat.clone(), mean),
+        f32_tensor(&client, &x, stat, inv_std),
+    ])
+}
+
+/// [`NormBackend::batch_norm_grad`] through cuDNN.
+fn norm_grad(
+    x: &Tensor,
+    gamma: &Tensor,
+    mean: &Tensor,
+    inv_std: &Tensor,
+    dy: &Tensor,
+    epsilon: f64,
+) -> Result<[Tensor; 3], String> {
+    let [x, gamma, mean, inv_std, dy] = norm_inputs([x, gamma, mean, inv_std, dy])?;
+    let xd = dims(&x);
+    let descs = NormDescriptors::new(xd)?;
+    let client = x.client.clone();
+    let (size, channels) = (x.meta.shape().num_elements(), xd[1] as usize);
+    let dx = client.empty(size * 4);
+    let (dgamma, dbeta) = (client.empty(channels * 4), client.empty(channels * 4));
+    let buffers = [
+        &x.handle,
+        &gamma.handle,
+        &mean.handle,
+        &inv_std.handle,
+        &dy.handle,
+        &dx,
+        &dgamma,
+        &dbeta,
+    ]
+    .map(Some);
+    on_dnn_stream(&client, x.device.index, &buffers, |dnn, p| {
+        let (one, zero) = (1.0f32, 0.0f32);
+        let (a, b) = (
+            &one as *const f32 as *const c_void,
+            &zero as *const f32 as *const c_void,
+        );
+        // SAFETY: contiguous f32 buffers of the described shapes; mean and inverse
+        // deviation are the forward pass's, computed with the same epsilon.
+        unsafe {
+            sys::cudnnBatchNormalizationBackward(
+                dnn.handle,
+                BN_MODE,
+                a,
+                b,
+                a,
+                b,
+                descs.x,
+                p[0],
+                descs.x,
+                p[4],
+                descs.x,
+                p[5],
+                descs.channel,
+                p[1],
+                p[6],
+                p[7],
+                epsilon,
+                p[2],
+                p[3],
+            )
+        }
+        .result()
+        .map_err(|e| format!("batch norm backward {xd:?}: {e:?}"))
+    })?;
+    let param = Shape::new([channels]);
+    Ok([
+        f32_tensor(&client, &x, x.meta.shape().clone(), dx),
+        f32_tensor(&client, &x, param.clone(), dgamma),
+        f32_tensor(&client, &x, param, dbeta),
+    ])
+}
+
+/// cuDNN's result, or `None` (Burn's operations) when BatchNorm is not routed to
+/// cuDNN or it failed; a failure is reported once.
+fn norm_through_cudnn(run: impl FnOnce() -> Result<[Tensor; 3], String>) -> Option<[Tensor; 3]> {
+    if !BATCH_NORM.load(Ordering::Relaxed) {
+        return None;
+    }
+    run()
+        .inspect_err(|e| {
+            static WARNED: AtomicBool = AtomicBool::new(false);
+            if !WARNED.swap(true, Ordering::Relaxed) {
+                eprintln!("kiln: warning: cuDNN could not run a batch norm ({e}); Burn's operations run it instead");
+            }
+        })
+        .ok()
+}
+
+impl<F: FloatElement, I: IntElement, BT: BoolElement> NormBackend
+    for CubeBackend<CudaRuntime, F, I, BT>
+{
+    fn batch_norm_train(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        epsilon: f64,
+    ) -> [FloatTensor<Self>; 3] {
+        match norm_through_cudnn(|| norm_train(&x, &gamma, &beta, epsilon)) {
+            Some(out) => out,
+            None => train_reference::<Self>(x, gamma, beta, epsilon),
+        }
+    }
+
+    fn batch_norm_grad(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        mean: FloatTensor<Self>,
+        inv_std: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+        epsilon: f64,
+    ) -> [FloatTensor<Self>; 3] {
+        match norm_through_cudnn(|| norm_grad(&x, &gamma, &mean, &inv_std, &dy, epsilon)) {
+            Some(out) => out,
+            None => grad_reference::<Self>(x, gamma, mean, inv_std, dy),
+        }
+    }
+}
+
 /// On a GPU only (`cargo test --release -- --ignored cudnn`, or the test binary with
 /// `--ignored` on a GPU machine): cuDNN against Burn's kernels, through autodiff and
 /// the fusion stream, for every part, strided shapes with odd sizes, f32 and bf16.
@@ -615,5 +899,66 @@ mod tests {
             }
         }
         set_route(CudnnRoute::None);
+    }
+
+    /// Batch norm's output, statistics and gradients through autodiff and fusion.
+    fn norm(cudnn: bool) -> Vec<Vec<f32>> {
+        set_batch_norm(cudnn);
+        let dev = CudaDevice::new(0);
+        <B as burn::tensor::backend::Backend>::seed(&dev, 11);
+        let x = T::<B, 4>::random([6, 5, 7, 9], Distribution::Normal(1.0, 2.0), &dev);
+        let gamma = T::<B, 1>::random([5], Distribution::Normal(1.0, 0.5), &dev);
+        let beta = T::<B, 1>::random([5], Distribution::Normal(0.0, 0.5), &dev);
+        let (x, gamma, beta) = (x.require_grad(), gamma.require_grad(), beta.require_grad());
+        let p = |t: T<B, 1>| t.into_primitive().tensor();
+        let [y, mean, inv_std] = B::batch_norm_train(
+            x.clone().into_primitive().tensor(),
+            p(gamma.clone()),
+            p(beta.clone()),
+            1e-5,
+        );
+        let y = T::<B, 4>::from_primitive(burn::tensor::TensorPrimitive::Float(y));
+        let stat = |t| T::<B, 1>::from_primitive(burn::tensor::TensorPrimitive::Float(t));
+        let n = y.shape().num_elements() as i64;
+        let weights = T::<B, 1, burn::tensor::Int>::arange(0..n, &dev)
+            .float()
+            .reshape(y.shape())
+            / n as f32;
+        let grads = (y.clone() * weights).sum().backward();
+        let v = |t: burn::tensor::TensorData| t.to_vec::<f32>().unwrap();
+        vec![
+            v(y.into_data()),
+            v(stat(mean).into_data()),
+            v(stat(inv_std).into_data()),
+            v(x.grad(&grads).unwrap().into_data()),
+            v(gamma.grad(&grads).unwrap().into_data()),
+            v(beta.grad(&grads).unwrap().into_data()),
+        ]
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA GPU and cuDNN"]
+    fn cudnn_batch_norm_matches_burns_operations_on_the_gpu() {
+        probe(0).expect("cuDNN should load on this machine");
+        probe_batch_norm().expect("cuDNN should have batch norm");
+        let ours = norm(true);
+        let burn = norm(false);
+        let names = [
+            "output",
+            "mean",
+            "inverse deviation",
+            "x grad",
+            "gamma grad",
+            "beta grad",
+        ];
+        for (name, (a, b)) in names.iter().zip(ours.iter().zip(&burn)) {
+            let scale = b.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
+            let diff = a.iter().zip(b).fold(0f32, |m, (p, q)| m.max((p - q).abs()));
+            assert!(
+                diff / scale < 1e-3,
+                "{name} differs by {diff} (scale {scale})"
+            );
+        }
+        set_batch_norm(false);
     }
 }

@@ -1,16 +1,16 @@
-//! [`ConvBackend`] on Burn's fusion backend: each part of the convolution enters the
+//! [`ConvBackend`] and [`NormBackend`] on Burn's fusion backend: each part enters the
 //! fusion stream as one custom operation that runs the inner backend's version when
 //! the stream executes, as Burn's own non-fusable operations do.
 
 use std::marker::PhantomData;
 
-use burn::tensor::Shape;
 use burn::tensor::ops::{ConvOptions, FloatTensor};
+use burn::tensor::{DType, Shape};
 use burn_fusion::stream::{Operation, OperationStreams};
 use burn_fusion::{Fusion, FusionBackend, FusionRuntime, FusionTensor};
 use burn_ir::{CustomOpIr, HandleContainer, OperationIr, OperationOutput, TensorIr};
 
-use super::{ConvBackend, Part, conv2d_output_dims};
+use super::{ConvBackend, NormBackend, Part, conv2d_output_dims};
 
 #[derive(Debug)]
 struct ConvOp<B> {
@@ -37,27 +37,40 @@ impl<B: FusionBackend + ConvBackend> Operation<B::FusionRuntime> for ConvOp<B> {
     }
 }
 
-fn register<B: FusionBackend + ConvBackend>(
+/// Queues `op`, built from its description, on the inputs' streams; returns the
+/// outputs, of the given shapes and dtypes.
+fn register<B: FusionBackend, O: Operation<B::FusionRuntime> + 'static>(
+    name: &'static str,
+    inputs: Vec<FusionTensor<B::FusionRuntime>>,
+    outputs: Vec<(Shape, DType)>,
+    op: impl FnOnce(CustomOpIr) -> O,
+) -> Vec<FusionTensor<B::FusionRuntime>> {
+    let client = inputs[0].client.clone();
+    let streams = OperationStreams::with_inputs(&inputs);
+    let outs: Vec<TensorIr> = outputs
+        .into_iter()
+        .map(|(shape, dtype)| TensorIr::uninit(client.create_empty_handle(), shape, dtype))
+        .collect();
+    let irs: Vec<TensorIr> = inputs.into_iter().map(|t| t.into_ir()).collect();
+    let desc = CustomOpIr::new(name, &irs, &outs);
+    client.register(streams, OperationIr::Custom(desc.clone()), op(desc))
+}
+
+fn register_conv<B: FusionBackend + ConvBackend>(
     part: Part,
     name: &'static str,
     inputs: Vec<FusionTensor<B::FusionRuntime>>,
     out_shape: Shape,
     options: ConvOptions<2>,
 ) -> FusionTensor<B::FusionRuntime> {
-    let client = inputs[0].client.clone();
-    let streams = OperationStreams::with_inputs(&inputs);
-    let out = TensorIr::uninit(client.create_empty_handle(), out_shape, inputs[0].dtype);
-    let irs: Vec<TensorIr> = inputs.into_iter().map(|t| t.into_ir()).collect();
-    let desc = CustomOpIr::new(name, &irs, &[out]);
-    let op = ConvOp::<B> {
-        desc: desc.clone(),
+    let dtype = inputs[0].dtype;
+    register::<B, _>(name, inputs, vec![(out_shape, dtype)], |desc| ConvOp::<B> {
+        desc,
         part,
         options,
         _backend: PhantomData,
-    };
-    client
-        .register(streams, OperationIr::Custom(desc), op)
-        .output()
+    })
+    .output()
 }
 
 impl<B: FusionBackend + ConvBackend> ConvBackend for Fusion<B> {
@@ -72,7 +85,7 @@ impl<B: FusionBackend + ConvBackend> ConvBackend for Fusion<B> {
             dims(&weight.shape),
             &options,
         ));
-        register::<B>(
+        register_conv::<B>(
             Part::Forward,
             "kiln_conv2d",
             vec![x, weight],
@@ -88,7 +101,7 @@ impl<B: FusionBackend + ConvBackend> ConvBackend for Fusion<B> {
         options: ConvOptions<2>,
     ) -> FloatTensor<Self> {
         let shape = x.shape.clone();
-        register::<B>(
+        register_conv::<B>(
             Part::GradX,
             "kiln_conv2d_grad_x",
             vec![x, weight, output_grad],
@@ -105,12 +118,97 @@ impl<B: FusionBackend + ConvBackend> ConvBackend for Fusion<B> {
     ) -> FloatTensor<Self> {
         let shape = weight.shape.clone();
         let inputs = vec![x, weight, output_grad];
-        register::<B>(
+        register_conv::<B>(
             Part::GradWeight,
             "kiln_conv2d_grad_weight",
             inputs,
             shape,
             options,
+        )
+    }
+}
+
+#[derive(Debug)]
+enum NormPart {
+    Train,
+    Grad,
+}
+
+#[derive(Debug)]
+struct NormOp<B> {
+    desc: CustomOpIr,
+    part: NormPart,
+    epsilon: f64,
+    _backend: PhantomData<B>,
+}
+
+impl<B: FusionBackend + NormBackend> Operation<B::FusionRuntime> for NormOp<B> {
+    fn execute(
+        &self,
+        handles: &mut HandleContainer<<B::FusionRuntime as FusionRuntime>::FusionHandle>,
+    ) {
+        let inputs = &self.desc.inputs;
+        let mut get = |i: usize| handles.get_float_tensor::<B>(&inputs[i]);
+        let results = match self.part {
+            NormPart::Train => B::batch_norm_train(get(0), get(1), get(2), self.epsilon),
+            NormPart::Grad => {
+                B::batch_norm_grad(get(0), get(1), get(2), get(3), get(4), self.epsilon)
+            }
+        };
+        for (out, result) in self.desc.outputs.iter().zip(results) {
+            handles.register_float_tensor::<B>(&out.id, result);
+        }
+    }
+}
+
+fn register_norm<B: FusionBackend + NormBackend>(
+    part: NormPart,
+    name: &'static str,
+    inputs: Vec<FusionTensor<B::FusionRuntime>>,
+    outputs: Vec<(Shape, DType)>,
+    epsilon: f64,
+) -> [FusionTensor<B::FusionRuntime>; 3] {
+    register::<B, _>(name, inputs, outputs, |desc| NormOp::<B> {
+        desc,
+        part,
+        epsilon,
+        _backend: PhantomData,
+    })
+    .outputs()
+}
+
+impl<B: FusionBackend + NormBackend> NormBackend for Fusion<B> {
+    fn batch_norm_train(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        epsilon: f64,
+    ) -> [FloatTensor<Self>; 3] {
+        let y = (x.shape.clone(), x.dtype);
+        let stat = (gamma.shape.clone(), gamma.dtype);
+        let outputs = vec![y, stat.clone(), stat];
+        let inputs = vec![x, gamma, beta];
+        register_norm::<B>(NormPart::Train, "kiln_batch_norm", inputs, outputs, epsilon)
+    }
+
+    fn batch_norm_grad(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        mean: FloatTensor<Self>,
+        inv_std: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+        epsilon: f64,
+    ) -> [FloatTensor<Self>; 3] {
+        let dx = (x.shape.clone(), x.dtype);
+        let param = (gamma.shape.clone(), gamma.dtype);
+        let outputs = vec![dx, param.clone(), param];
+        let inputs = vec![x, gamma, mean, inv_std, dy];
+        register_norm::<B>(
+            NormPart::Grad,
+            "kiln_batch_norm_grad",
+            inputs,
+            outputs,
+            epsilon,
         )
     }
 }

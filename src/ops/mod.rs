@@ -1,16 +1,24 @@
 //! Backend extensions: operations kiln's models call through a trait of their own,
-//! so a backend can put other kernels behind them. Today: the convolution, which on
-//! CUDA can run on cuDNN (`train.convolution`).
+//! so a backend can put other kernels behind them: the convolution and BatchNorm's
+//! training pass, which on CUDA can run on cuDNN (`train.convolution`,
+//! `train.batch_norm`).
 
 mod conv;
 #[cfg(feature = "cuda")]
 pub mod cudnn;
 #[cfg(feature = "cuda")]
 mod fusion;
+mod norm;
 #[cfg(feature = "cuda")]
 mod stream_order;
 
 pub use conv::{ConvBackend, conv2d};
+pub use norm::{NormBackend, batch_norm};
+
+/// What kiln's models call on a backend: its convolution and its BatchNorm.
+pub trait ModelBackend: ConvBackend + NormBackend {}
+
+impl<B: ConvBackend + NormBackend> ModelBackend for B {}
 
 /// The output shape (NKPQ) of a convolution of `x` (NCHW) by `weight` (KCRS).
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
@@ -54,13 +62,13 @@ pub(crate) enum Part {
 /// What training needs of a backend: autodiff, and kiln's extensions both on it and
 /// on the inner backend that evaluation runs on.
 pub trait TrainBackend:
-    burn::tensor::backend::AutodiffBackend<InnerBackend: ConvBackend> + ConvBackend
+    burn::tensor::backend::AutodiffBackend<InnerBackend: ModelBackend> + ModelBackend
 {
 }
 
 impl<B> TrainBackend for B
 where
-    B: burn::tensor::backend::AutodiffBackend + ConvBackend,
-    B::InnerBackend: ConvBackend,
+    B: burn::tensor::backend::AutodiffBackend + ModelBackend,
+    B::InnerBackend: ModelBackend,
 {
 }

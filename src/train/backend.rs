@@ -28,6 +28,10 @@ pub struct KernelSettings {
     /// Burn's kernels.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub cudnn: CudnnRoute,
+    /// Whether BatchNorm's training pass runs on cuDNN (after
+    /// [`probe_cudnn_batch_norm`] succeeded).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub cudnn_batch_norm: bool,
 }
 
 /// cuDNN's version if it can be loaded and plan a convolution on GPU `ordinal`, else
@@ -40,6 +44,14 @@ pub fn probe_cudnn(ordinal: usize) -> Result<String, String> {
         let _ = ordinal;
         Err("kiln was built without CUDA".into())
     }
+}
+
+/// Whether the cuDNN that [`probe_cudnn`] found has the batch normalisation kernels.
+pub fn probe_cudnn_batch_norm() -> Result<(), String> {
+    #[cfg(feature = "cuda")]
+    return crate::ops::cudnn::probe_batch_norm();
+    #[cfg(not(feature = "cuda"))]
+    Err("kiln was built without CUDA".into())
 }
 
 /// Work that runs on whichever backend the plan picks.
@@ -128,6 +140,7 @@ mod cuda {
             };
             CubeClRuntimeConfig::set(cfg);
             crate::ops::cudnn::set_route(kernels.cudnn);
+            crate::ops::cudnn::set_batch_norm(kernels.cudnn_batch_norm);
         });
     }
 }

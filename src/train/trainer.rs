@@ -625,7 +625,7 @@ fn check_finite(loss: f64, step: u64) -> Result<(), TrainError> {
 }
 
 /// Mean loss and accuracy of `model` over every batch of `loader`.
-pub fn evaluate<B: crate::ops::ConvBackend>(
+pub fn evaluate<B: crate::ops::ModelBackend>(
     model: &ResNet<B>,
     loader: &Loader,
     device: &B::Device,

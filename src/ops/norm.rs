@@ -1,0 +1,351 @@
+//! [`NormBackend`]: BatchNorm's training pass (batch statistics) as one operation with
+//! its backward pass written out, so a backend can run each direction as one kernel
+//! (on CUDA: cuDNN, `ops::cudnn`). Through Burn's `BatchNorm` module a layer is about
+//! a dozen element-wise and reduction operations forward and twice that backward,
+//! each queued by the host; the batch-normalisation layers of a ResNet were most of
+//! its step once cuDNN ran the convolutions (BENCHMARKS.md).
+
+use std::marker::PhantomData;
+
+use burn::backend::Autodiff;
+use burn::backend::autodiff::NodeId;
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::retro_forward::RetroForward;
+use burn::backend::autodiff::checkpoint::state::BackwardStates;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::flex::Flex;
+use burn::nn::BatchNorm;
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{Tensor, TensorPrimitive};
+
+/// BatchNorm with batch statistics over N, H and W of an NCHW tensor, and its
+/// gradients. The defaults are Burn's tensor operations ([`train_reference`],
+/// [`grad_reference`]).
+pub trait NormBackend: Backend {
+    /// `x` normalised per channel with its batch mean and biased variance, scaled by
+    /// `gamma` and shifted by `beta` (both `[C]`). Returns the output, the batch mean
+    /// and `1 / sqrt(variance + epsilon)` (both `[C]`).
+    fn batch_norm_train(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        epsilon: f64,
+    ) -> [FloatTensor<Self>; 3] {
+        train_reference::<Self>(x, gamma, beta, epsilon)
+    }
+
+    /// The gradients for `x`, `gamma` and `beta` given the output's gradient `dy`
+    /// and the statistics the forward pass returned.
+    fn batch_norm_grad(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        mean: FloatTensor<Self>,
+        inv_std: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+        epsilon: f64,
+    ) -> [FloatTensor<Self>; 3] {
+        let _ = epsilon;
+        grad_reference::<Self>(x, gamma, mean, inv_std, dy)
+    }
+}
+
+impl NormBackend for Flex {}
+
+fn tensor<B: Backend, const D: usize>(t: FloatTensor<B>) -> Tensor<B, D> {
+    Tensor::from_primitive(TensorPrimitive::Float(t))
+}
+
+fn primitive<B: Backend, const D: usize>(t: Tensor<B, D>) -> FloatTensor<B> {
+    t.into_primitive().tensor()
+}
+
+/// The per-channel sum of an NCHW tensor, `[C]`.
+fn channel_sum<B: Backend>(t: Tensor<B, 4>) -> Tensor<B, 1> {
+    let [n, c, h, w] = t.dims();
+    t.swap_dims(0, 1)
+        .reshape([c, n * h * w])
+        .sum_dim(1)
+        .reshape([c])
+}
+
+/// `[C]` as `[1, C, 1, 1]`, to broadcast over an NCHW tensor.
+fn per_channel<B: Backend>(t: Tensor<B, 1>) -> Tensor<B, 4> {
+    let c = t.dims()[0];
+    t.reshape([1, c, 1, 1])
+}
+
+/// [`NormBackend::batch_norm_train`] in Burn's tensor operations, the arithmetic of
+/// Burn's `BatchNorm`.
+pub(crate) fn train_reference<B: Backend>(
+    x: FloatTensor<B>,
+    gamma: FloatTensor<B>,
+    beta: FloatTensor<B>,
+    epsilon: f64,
+) -> [FloatTensor<B>; 3] {
+    let x = tensor::<B, 4>(x);
+    let [n, _, h, w] = x.dims();
+    let count = (n * h * w) as f64;
+    let mean = channel_sum(x.clone()).div_scalar(count);
+    let centered = x - per_channel(mean.clone());
+    let var = channel_sum(centered.clone().square()).div_scalar(count);
+    let inv_std = var.add_scalar(epsilon).sqrt().recip();
+    let scale = inv_std.clone() * tensor::<B, 1>(gamma);
+    let y = centered * per_channel(scale) + per_channel(tensor::<B, 1>(beta));
+    [primitive(y), primitive(mean), primitive(inv_std)]
+}
+
+/// [`NormBackend::batch_norm_grad`] in Burn's tensor operations.
+pub(crate) fn grad_reference<B: Backend>(
+    x: FloatTensor<B>,
+    gamma: FloatTensor<B>,
+    mean: FloatTensor<B>,
+    inv_std: FloatTensor<B>,
+    dy: FloatTensor<B>,
+) -> [FloatTensor<B>; 3] {
+    let (x, dy) = (tensor::<B, 4>(x), tensor::<B, 4>(dy));
+    let inv_std = tensor::<B, 1>(inv_std);
+    let [n, _, h, w] = x.dims();
+    let count = (n * h * w) as f64;
+    let x_hat = (x - per_channel(tensor::<B, 1>(mean))) * per_channel(inv_std.clone());
+    let dbeta = channel_sum(dy.clone());
+    let dgamma = channel_sum(dy.clone() * x_hat.clone());
+    let dx = (dy
+        - per_channel(dbeta.clone().div_scalar(count))
+        - x_hat * per_channel(dgamma.clone().div_scalar(count)))
+        * per_channel(tensor::<B, 1>(gamma) * inv_std);
+    [primitive(dx), primitive(dgamma), primitive(dbeta)]
+}
+
+/// `bn.forward(x)` with the training pass through [`NormBackend`]: the same
+/// arithmetic and running-statistics update as Burn's module (biased variance,
+/// `momentum`), so checkpoints and evaluation do not change. Inference (a backend
+/// without autodiff) is Burn's own element-wise pass.
+pub fn batch_norm<B: NormBackend>(bn: &BatchNorm<B>, x: Tensor<B, 4>) -> Tensor<B, 4> {
+    let device = x.device();
+    if !B::ad_enabled(&device) {
+        return bn.forward(x);
+    }
+    let [y, mean, inv_std] = B::batch_norm_train(
+        primitive(x),
+        primitive(bn.gamma.val()),
+        primitive(bn.beta.val()),
+        bn.epsilon,
+    );
+    let mean = tensor::<B, 1>(mean).detach();
+    let var = tensor::<B, 1>(inv_std)
+        .detach()
+        .recip()
+        .square()
+        .sub_scalar(bn.epsilon);
+    let blend = |running: Tensor<B, 1>, batch: Tensor<B, 1>| {
+        running
+            .to_device(&device)
+            .mul_scalar(1.0 - bn.momentum)
+            .add(batch.mul_scalar(bn.momentum))
+            .detach()
+    };
+    bn.running_mean
+        .update(blend(bn.running_mean.value_sync(), mean));
+    bn.running_var
+        .update(blend(bn.running_var.value_sync(), var));
+    tensor(y)
+}
+
+/// The training pass as one node of the autodiff graph, its gradients through the
+/// inner backend's [`NormBackend`]. Memory-bound: under `train.gradient_checkpointing`
+/// the output is recomputed in the backward pass rather than kept, as Burn's
+/// element-wise BatchNorm was.
+impl<B: NormBackend, C: CheckpointStrategy> NormBackend for Autodiff<B, C> {
+    fn batch_norm_train(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        epsilon: f64,
+    ) -> [FloatTensor<Self>; 3] {
+        #[derive(Debug)]
+        struct Norm;
+
+        #[derive(Debug)]
+        struct Retro<B> {
+            parents: [NodeId; 3],
+            epsilon: f64,
+            _backend: PhantomData<B>,
+        }
+
+        impl<B: NormBackend> RetroForward for Retro<B> {
+            fn forward(&self, states: &mut BackwardStates, out_node: NodeId) {
+                let [x, gamma, beta] = self
+                    .parents
+                    .map(|id| states.get_state::<FloatTensor<B>>(&id));
+                let [y, _, _] = B::batch_norm_train(x, gamma, beta, self.epsilon);
+                states.save(out_node, y)
+            }
+        }
+
+        impl<B: NormBackend> Backward<B, 3> for Norm {
+            /// Input and gamma (checkpointed), batch mean, inverse deviation, epsilon.
+            type State = (NodeId, NodeId, FloatTensor<B>, FloatTensor<B>, f64);
+
+            fn backward(
+                self,
+                ops: Ops<Self::State, 3>,
+                grads: &mut Gradients,
+                checkpointer: &mut Checkpointer,
+            ) {
+                let [node_x, node_gamma, node_beta] = ops.parents;
+                let dy = grads.consume::<B>(&ops.node);
+                let (x_state, gamma_state, mean, inv_std, epsilon) = ops.state;
+                let x = checkpointer.retrieve_node_output::<FloatTensor<B>>(x_state);
+                let gamma = checkpointer.retrieve_node_output::<FloatTensor<B>>(gamma_state);
+                let [dx, dgamma, dbeta] = B::batch_norm_grad(x, gamma, mean, inv_std, dy, epsilon);
+                for (node, grad) in [(node_x, dx), (node_gamma, dgamma), (node_beta, dbeta)] {
+                    if let Some(node) = node {
+                        grads.register::<B>(node.id, grad);
+                    }
+                }
+            }
+        }
+
+        let retro = Retro::<B> {
+            parents: [x.node.id, gamma.node.id, beta.node.id],
+            epsilon,
+            _backend: PhantomData,
+        };
+        match Norm
+            .prepare::<C>([x.node.clone(), gamma.node.clone(), beta.node.clone()])
+            .memory_bound()
+            .retro_forward(retro)
+            .parents([&x, &gamma, &beta])
+            .stateful()
+        {
+            OpsKind::Tracked(mut prep) => {
+                let x_state = prep.checkpoint(&x);
+                let gamma_state = prep.checkpoint(&gamma);
+                let [y, mean, inv_std] =
+                    B::batch_norm_train(x.primitive, gamma.primitive, beta.primitive, epsilon);
+                let state = (x_state, gamma_state, mean.clone(), inv_std.clone(), epsilon);
+                let y = prep.finish(state, y);
+                [y, Self::from_inner(mean), Self::from_inner(inv_std)]
+            }
+            OpsKind::UnTracked(prep) => {
+                let [y, mean, inv_std] =
+                    B::batch_norm_train(x.primitive, gamma.primitive, beta.primitive, epsilon);
+                [
+                    prep.finish(y),
+                    Self::from_inner(mean),
+                    Self::from_inner(inv_std),
+                ]
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::test_util::{TestBackend, max_diff, rng_lock};
+    use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
+    use burn::module::Param;
+    use burn::nn::BatchNormConfig;
+    use burn::tensor::Distribution;
+
+    fn values<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
+        t.into_data().to_vec().unwrap()
+    }
+
+    /// Two training steps' forward and backward through Burn's `BatchNorm` and
+    /// through [`batch_norm`] from the same module: same outputs, same gradients for
+    /// the input, gamma and beta, same running statistics.
+    fn agrees_with_burn<B: NormBackend + AutodiffBackend>() {
+        let _rng = rng_lock();
+        let dev = Default::default();
+        // A fresh module per run: clones share their running statistics.
+        let make = || {
+            let bn = BatchNormConfig::new(5).init::<B>(&dev);
+            // Gamma and beta away from 1 and 0, so a gradient that ignores them fails.
+            BatchNorm {
+                gamma: Param::from_tensor(Tensor::full([5], 1.5, &dev)),
+                beta: Param::from_tensor(Tensor::full([5], 0.25, &dev)),
+                ..bn
+            }
+        };
+        let run = |ours: bool| {
+            let bn = make();
+            let mut out = Vec::new();
+            for step in 0..2 {
+                let x = Tensor::<B, 4>::random([3, 5, 4, 6], Distribution::Normal(2.0, 3.0), &dev)
+                    .add_scalar(step as f64)
+                    .require_grad();
+                let y = if ours {
+                    batch_norm(&bn, x.clone())
+                } else {
+                    bn.forward(x.clone())
+                };
+                // Weigh every output differently, so a misplaced gradient cannot pass.
+                let n = y.shape().num_elements() as i64;
+                let weights = Tensor::<B, 1, burn::tensor::Int>::arange(0..n, &dev)
+                    .float()
+                    .reshape(y.shape())
+                    .div_scalar(n as f64);
+                let grads = (y.clone() * weights).sum().backward();
+                out.push([
+                    values(y),
+                    values(x.grad(&grads).unwrap()),
+                    values(bn.gamma.grad(&grads).unwrap()),
+                    values(bn.beta.grad(&grads).unwrap()),
+                    values(bn.running_mean.value()),
+                    values(bn.running_var.value()),
+                ]);
+            }
+            out
+        };
+        // Same random inputs for both runs.
+        B::seed(&dev, 3);
+        let ours = run(true);
+        B::seed(&dev, 3);
+        let burn = run(false);
+        let names = [
+            "output",
+            "x grad",
+            "gamma grad",
+            "beta grad",
+            "running mean",
+            "running var",
+        ];
+        for (step, (a, b)) in ours.iter().zip(&burn).enumerate() {
+            for (name, (p, q)) in names.iter().zip(a.iter().zip(b)) {
+                assert!(
+                    max_diff(p, q) < 1e-4,
+                    "step {step}: {name} differs: {p:?} vs {q:?}"
+                );
+            }
+        }
+        assert!(
+            ours[1][2].iter().any(|v| v.abs() > 1e-3),
+            "gamma gradients are all but zero"
+        );
+    }
+
+    #[test]
+    fn batch_norm_matches_burns_module() {
+        agrees_with_burn::<TestBackend>();
+    }
+
+    #[test]
+    fn batch_norm_matches_with_activation_recomputation() {
+        agrees_with_burn::<Autodiff<Flex, BalancedCheckpointing>>();
+    }
+
+    /// Inference uses the running statistics, as Burn's module does.
+    #[test]
+    fn inference_is_burns_module() {
+        let _rng = rng_lock();
+        let dev = Default::default();
+        let bn = BatchNormConfig::new(3).init::<Flex>(&dev);
+        let x = Tensor::<Flex, 4>::random([2, 3, 2, 2], Distribution::Normal(1.0, 2.0), &dev);
+        assert_eq!(values(batch_norm(&bn, x.clone())), values(bn.forward(x)));
+    }
+}
