@@ -532,11 +532,29 @@ fn through_cudnn(
     if !routed(x.dtype) {
         return None;
     }
-    run(part, x, w, grad, options)
+    static WARNED: AtomicBool = AtomicBool::new(false);
+    warn_once(
+        run(part, x, w, grad, options),
+        &WARNED,
+        "a convolution",
+        "kernels",
+    )
+}
+
+/// `result`'s value, or `None` (Burn runs the work instead) with a warning the first
+/// time `warned` sees a failure.
+fn warn_once<T>(
+    result: Result<T, String>,
+    warned: &AtomicBool,
+    what: &str,
+    burns: &str,
+) -> Option<T> {
+    result
         .inspect_err(|e| {
-            static WARNED: AtomicBool = AtomicBool::new(false);
-            if !WARNED.swap(true, Ordering::Relaxed) {
-                eprintln!("kiln: warning: cuDNN could not run a convolution ({e}); Burn's kernels run it instead");
+            if !warned.swap(true, Ordering::Relaxed) {
+                eprintln!(
+                    "kiln: warning: cuDNN could not run {what} ({e}); Burn's {burns} run it instead"
+                );
             }
         })
         .ok()
@@ -801,14 +819,8 @@ fn norm_through_cudnn(run: impl FnOnce() -> Result<[Tensor; 3], String>) -> Opti
     if !BATCH_NORM.load(Ordering::Relaxed) {
         return None;
     }
-    run()
-        .inspect_err(|e| {
-            static WARNED: AtomicBool = AtomicBool::new(false);
-            if !WARNED.swap(true, Ordering::Relaxed) {
-                eprintln!("kiln: warning: cuDNN could not run a batch norm ({e}); Burn's operations run it instead");
-            }
-        })
-        .ok()
+    static WARNED: AtomicBool = AtomicBool::new(false);
+    warn_once(run(), &WARNED, "a batch norm", "operations")
 }
 
 impl<F: FloatElement, I: IntElement, BT: BoolElement> NormBackend
