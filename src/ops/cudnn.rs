@@ -10,14 +10,21 @@
 //! the call and goes on. Where that cannot be set up, the call waits on the host for
 //! cubecl's stream before and for its own after, as the first version did (two host
 //! synchronisations per convolution, each draining the GPU's queue).
+//!
+//! A call runs whole on cubecl's device thread (`ComputeClient::exclusive`): the device
+//! addresses of a call's buffers are known only there, and each question asked from the
+//! fusion thread that queues the call is a blocking round trip that waits for that
+//! thread's queue to drain. One trip per call instead of one per buffer (five to nine);
+//! the descriptors and algorithm of each shape are made once and kept with the thread's
+//! cuDNN handle.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
 use std::ffi::c_void;
 use std::mem::MaybeUninit;
+use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
-use std::sync::{Mutex, OnceLock};
 
 use burn::cubecl::cuda::CudaRuntime;
 use burn::cubecl::future::block_on;
@@ -82,13 +89,13 @@ pub fn probe(ordinal: usize) -> Result<String, String> {
     }
     with_dnn(ordinal, |dnn| {
         // A small convolution planned end to end, as training will.
-        let descs = Descriptors::new(
-            Part::Forward,
-            sys::cudnnDataType_t::CUDNN_DATA_FLOAT,
-            [[8, 16, 32, 32], [16, 16, 3, 3], [8, 16, 32, 32]],
-            &ConvOptions::new([1, 1], [1, 1], [1, 1], 1),
-        )?;
-        choose(dnn, Part::Forward, &descs).map(|_| ())
+        let key = ConvKey {
+            part: Part::Forward,
+            data: sys::cudnnDataType_t::CUDNN_DATA_FLOAT,
+            dims: [[8, 16, 32, 32], [16, 16, 3, 3], [8, 16, 32, 32]],
+            options: ConvOptions::new([1, 1], [1, 1], [1, 1], 1),
+        };
+        dnn.conv(&key).map(|_| ())
     })?;
     Ok(format!(
         "{}.{}.{}",
@@ -98,16 +105,22 @@ pub fn probe(ordinal: usize) -> Result<String, String> {
     ))
 }
 
-/// One cuDNN handle and stream per thread and device: each replica's thread keeps
-/// its own, as cubecl keeps one stream per thread.
+/// kiln's CUDA stream per thread and device, and the cuDNN handle on it. Training calls
+/// run on cubecl's device thread, so each device has one; [`probe`] makes its own on
+/// the caller's. The pinned upload (`ops::pinned`) uses the stream, not cuDNN.
 struct Dnn {
-    ordinal: usize,
-    handle: sys::cudnnHandle_t,
+    /// Made on the first cuDNN call, so work without cuDNN needs no cuDNN.
+    handle: Option<sys::cudnnHandle_t>,
     stream: dsys::CUstream,
     context: dsys::CUcontext,
     /// Made on the first call; `Err` where it could not be (its kernels did not compile
     /// or load), which sends this thread's calls through host synchronisations.
     handover: Option<Result<Handover, ()>>,
+    /// Each convolution shape's descriptors and algorithm, or why cuDNN cannot run it
+    /// (remembered, so such a shape goes straight to Burn's kernels).
+    convs: HashMap<ConvKey, Result<Rc<Conv>, String>>,
+    /// Each batch-norm input shape's descriptors.
+    norms: HashMap<[i32; 4], Rc<NormDescriptors>>,
 }
 
 thread_local! {
@@ -144,17 +157,52 @@ impl Dnn {
         // SAFETY: a context just retained.
         unsafe { drv::ctx::set_current(context) }.map_err(cuda)?;
         let stream = drv::stream::create(drv::stream::StreamKind::NonBlocking).map_err(cuda)?;
-        let handle = dnn::create_handle().map_err(|e| format!("cudnnCreate: {e:?}"))?;
-        // SAFETY: both were just created in this context.
-        unsafe { dnn::set_stream(handle, stream as sys::cudaStream_t) }
-            .map_err(|e| format!("cudnnSetStream: {e:?}"))?;
         Ok(Dnn {
-            ordinal,
-            handle,
+            handle: None,
             stream,
             context,
             handover: None,
+            convs: HashMap::new(),
+            norms: HashMap::new(),
         })
+    }
+
+    /// The cuDNN handle on this thread's stream (cuDNN must have passed [`probe`]).
+    fn handle(&mut self) -> Result<sys::cudnnHandle_t, String> {
+        if let Some(h) = self.handle {
+            return Ok(h);
+        }
+        let handle = dnn::create_handle().map_err(|e| format!("cudnnCreate: {e:?}"))?;
+        // SAFETY: a handle just created, and this thread's stream, in the same context.
+        unsafe { dnn::set_stream(handle, self.stream as sys::cudaStream_t) }
+            .map_err(|e| format!("cudnnSetStream: {e:?}"))?;
+        self.handle = Some(handle);
+        Ok(handle)
+    }
+
+    /// The descriptors and algorithm of the convolution `key` describes, made on its
+    /// first call.
+    fn conv(&mut self, key: &ConvKey) -> Result<Rc<Conv>, String> {
+        if let Some(known) = self.convs.get(key) {
+            return known.clone();
+        }
+        let handle = self.handle()?;
+        let made = Descriptors::new(key).and_then(|descs| {
+            let plan = choose(handle, key, &descs)?;
+            Ok(Rc::new(Conv { descs, plan }))
+        });
+        self.convs.insert(key.clone(), made.clone());
+        made
+    }
+
+    /// The descriptors of batch normalisation over an NCHW input of `dims`.
+    fn norm(&mut self, dims: [i32; 4]) -> Result<Rc<NormDescriptors>, String> {
+        if let Some(known) = self.norms.get(&dims) {
+            return Ok(known.clone());
+        }
+        let made = Rc::new(NormDescriptors::new(dims)?);
+        self.norms.insert(dims, made.clone());
+        Ok(made)
     }
 
     /// This thread's hand-over flags, or `None` where they cannot be used.
@@ -175,33 +223,41 @@ fn warn_host_sync(e: &str) {
     }
 }
 
-/// The descriptors of one call: input, filter and output shapes, and the
+/// What one convolution's descriptors and algorithm depend on.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct ConvKey {
+    part: Part,
+    data: sys::cudnnDataType_t,
+    /// Input, filter, output (NCHW, KCRS, NKPQ).
+    dims: [[i32; 4]; 3],
+    options: ConvOptions<2>,
+}
+
+/// One convolution shape, ready to run: its descriptors and the algorithm chosen.
+struct Conv {
+    descs: Descriptors,
+    plan: Plan,
+}
+
+/// The descriptors of one convolution shape: input, filter and output, and the
 /// convolution; destroyed on drop.
 struct Descriptors {
     x: sys::cudnnTensorDescriptor_t,
     w: sys::cudnnFilterDescriptor_t,
     y: sys::cudnnTensorDescriptor_t,
     conv: sys::cudnnConvolutionDescriptor_t,
-    /// Shapes, dtype and options: what the chosen algorithm depends on.
-    key: String,
 }
 
 impl Descriptors {
-    /// `dims`: input, filter, output (NCHW, KCRS, NKPQ).
-    fn new(
-        part: Part,
-        data: sys::cudnnDataType_t,
-        dims: [[i32; 4]; 3],
-        options: &ConvOptions<2>,
-    ) -> Result<Self, String> {
-        let err = |what: &str, e: dnn::CudnnError| format!("{what}: {e:?}");
+    fn new(key: &ConvKey) -> Result<Self, String> {
+        let (data, dims, options) = (key.data, key.dims, &key.options);
+        let err = |what: &str, e: dnn::CudnnError| format!("{what} of {key:?}: {e:?}");
         let nchw = sys::cudnnTensorFormat_t::CUDNN_TENSOR_NCHW;
         let mut d = Descriptors {
             x: std::ptr::null_mut(),
             w: std::ptr::null_mut(),
             y: std::ptr::null_mut(),
             conv: std::ptr::null_mut(),
-            key: format!("{part:?} {data:?} {dims:?} {options:?}"),
         };
         // Each is stored as soon as it exists, so Drop frees whatever was created.
         d.x = dnn::create_tensor_descriptor().map_err(|e| err("tensor descriptor", e))?;
@@ -271,21 +327,11 @@ enum Algo {
     GradWeight(sys::cudnnConvolutionBwdFilterAlgo_t),
 }
 
-/// Device ordinal and [`Descriptors::key`].
-type PlanKey = (usize, String);
-
 /// cuDNN's heuristic choice (what PyTorch uses without `cudnn.benchmark`): the first
-/// proposal that is supported and whose workspace fits, remembered per device and shape.
-fn choose(dnn: &Dnn, part: Part, d: &Descriptors) -> Result<Plan, String> {
-    // A refusal is remembered too, so a shape cuDNN cannot run goes straight to Burn.
-    static PLANS: OnceLock<Mutex<HashMap<PlanKey, Result<Plan, String>>>> = OnceLock::new();
-    let plans = PLANS.get_or_init(Default::default);
-    let key = (dnn.ordinal, d.key.clone());
-    if let Some(plan) = plans.lock().unwrap().get(&key) {
-        return plan.clone();
-    }
+/// proposal that is supported and whose workspace fits.
+fn choose(handle: sys::cudnnHandle_t, key: &ConvKey, d: &Descriptors) -> Result<Plan, String> {
     let ok = sys::cudnnStatus_t::CUDNN_STATUS_SUCCESS;
-    let err = |e: dnn::CudnnError| format!("choosing an algorithm for {}: {e:?}", d.key);
+    let err = |e: dnn::CudnnError| format!("choosing an algorithm for {key:?}: {e:?}");
     let mut count = 0;
     // SAFETY: descriptors and handle are alive; cuDNN writes at most the requested
     // number of (plain-data) results, `count` of which are read.
@@ -293,17 +339,7 @@ fn choose(dnn: &Dnn, part: Part, d: &Descriptors) -> Result<Plan, String> {
     macro_rules! proposals {
         ($perf:ty, $query:path, $variant:path, $a:expr, $b:expr, $c:expr) => {{
             let mut r = [MaybeUninit::<$perf>::zeroed().assume_init(); 16];
-            $query(
-                dnn.handle,
-                $a,
-                $b,
-                d.conv,
-                $c,
-                16,
-                &mut count,
-                r.as_mut_ptr(),
-            )
-            .map_err(err)?;
+            $query(handle, $a, $b, d.conv, $c, 16, &mut count, r.as_mut_ptr()).map_err(err)?;
             r[..count as usize]
                 .iter()
                 .filter(|p| p.status == ok)
@@ -312,7 +348,7 @@ fn choose(dnn: &Dnn, part: Part, d: &Descriptors) -> Result<Plan, String> {
         }};
     }
     let proposals: Vec<(Algo, sys::cudnnMathType_t)> = unsafe {
-        match part {
+        match key.part {
             Part::Forward => proposals!(
                 sys::cudnnConvolutionFwdAlgoPerf_t,
                 dnn::get_convolution_forward_algorithm,
@@ -345,48 +381,75 @@ fn choose(dnn: &Dnn, part: Part, d: &Descriptors) -> Result<Plan, String> {
         let workspace = unsafe {
             dnn::set_convolution_math_type(d.conv, math).map_err(err)?;
             match algo {
-                Algo::Forward(a) => dnn::get_convolution_forward_workspace_size(
-                    dnn.handle, d.x, d.w, d.conv, d.y, a,
-                ),
+                Algo::Forward(a) => {
+                    dnn::get_convolution_forward_workspace_size(handle, d.x, d.w, d.conv, d.y, a)
+                }
                 Algo::GradX(a) => dnn::get_convolution_backward_data_workspace_size(
-                    dnn.handle, d.w, d.y, d.conv, d.x, a,
+                    handle, d.w, d.y, d.conv, d.x, a,
                 ),
                 Algo::GradWeight(a) => dnn::get_convolution_backward_filter_workspace_size(
-                    dnn.handle, d.x, d.y, d.conv, d.w, a,
+                    handle, d.x, d.y, d.conv, d.w, a,
                 ),
             }
         };
         match workspace {
             Ok(workspace) if workspace <= MAX_WORKSPACE => {
-                let plan = Plan {
+                return Ok(Plan {
                     algo,
                     math,
                     workspace,
-                };
-                plans.lock().unwrap().insert(key, Ok(plan));
-                return Ok(plan);
+                });
             }
             _ => continue,
         }
     }
-    let refusal = format!("cuDNN proposes no usable algorithm for {}", d.key);
-    plans.lock().unwrap().insert(key, Err(refusal.clone()));
-    Err(refusal)
+    Err(format!("cuDNN proposes no usable algorithm for {key:?}"))
 }
 
-/// Runs `call` on this thread's cuDNN stream with the device addresses of `buffers`
-/// (null for `None`), ordered on the GPU after the cubecl work queued so far on this
-/// thread and before any queued after (`stream_order`; host waits where that cannot be
-/// set up). The buffers stay allocated while their resources are held.
-fn on_dnn_stream(
+/// Runs `work` on cubecl's device thread for `client`, with that thread's cuDNN state
+/// for GPU `ordinal`, and waits for it: one round trip from the calling (fusion)
+/// thread. On the device thread cubecl's own calls (buffer addresses, allocations,
+/// launches) run at once instead of each waiting for the thread's queue.
+fn on_device_thread<T: Send + 'static>(
+    client: &Client,
+    ordinal: usize,
+    work: impl FnOnce(&mut Dnn) -> Result<T, String> + Send,
+) -> Result<T, String> {
+    client
+        .exclusive(|| with_dnn(ordinal, work))
+        .map_err(|e| format!("cubecl's device thread: {e:?}"))?
+}
+
+/// Queues `call` on kiln's own CUDA stream for GPU `ordinal` with the device addresses
+/// of `buffers`, ordered against `client`'s cubecl stream as cuDNN's calls are (see
+/// [`Dnn::queue`]): for kiln's work that is not cuDNN's, the pinned upload
+/// (`ops::pinned`).
+pub(crate) fn on_kiln_stream(
     client: &Client,
     ordinal: usize,
     buffers: &[Option<&Handle>],
-    call: impl FnOnce(&Dnn, &[*mut c_void]) -> Result<(), String>,
+    call: impl FnOnce(dsys::CUstream, &[*mut c_void]) -> Result<(), String> + Send,
 ) -> Result<(), String> {
-    with_dnn(ordinal, |dnn| {
-        let stream = dnn.stream;
-        let token = dnn.handover(client).and_then(|h| {
+    on_device_thread(client, ordinal, |dnn| {
+        dnn.queue(client, buffers, |dnn, p| call(dnn.stream, p))
+    })
+}
+
+impl Dnn {
+    /// Queues `call` on this thread's cuDNN stream with the device addresses of
+    /// `buffers` (null for `None`), ordered on the GPU after the cubecl work queued so
+    /// far on `client`'s stream and before any queued after (`stream_order`; host waits
+    /// where that cannot be set up). Runs on cubecl's device thread
+    /// ([`on_device_thread`]), which `Handover` relies on. The buffers stay allocated
+    /// while their resources are held.
+    fn queue(
+        &mut self,
+        client: &Client,
+        buffers: &[Option<&Handle>],
+        call: impl FnOnce(&mut Dnn, &[*mut c_void]) -> Result<(), String>,
+    ) -> Result<(), String> {
+        let stream = self.stream;
+        let token = self.handover(client).and_then(|h| {
             h.wait_for_cubecl(client, stream)
                 .inspect_err(|e| warn_host_sync(e))
                 .ok()
@@ -409,10 +472,10 @@ fn on_dnn_stream(
             // The inputs are complete once this thread's cubecl stream is.
             block_on(client.sync()).map_err(|e| format!("{e:?}"))?;
         }
-        let result = call(dnn, &pointers);
+        let result = call(self, &pointers);
         // Even when cuDNN reported an error: work it queued may still use the buffers,
         // which cubecl may hand out again once this returns.
-        let ordered = match (token, dnn.handover(client)) {
+        let ordered = match (token, self.handover(client)) {
             (Some(t), Some(h)) => h
                 .cubecl_waits_for(client, stream, t)
                 .inspect_err(|e| warn_host_sync(e))
@@ -426,7 +489,17 @@ fn on_dnn_stream(
             unsafe { drv::stream::synchronize(stream) }.map_err(|e| format!("CUDA {e:?}"))
         };
         result.and(waited)
-    })
+    }
+}
+
+/// cuDNN's `alpha` and `beta` for "the result replaces the output" (1 and 0).
+fn write_scaling() -> (*const c_void, *const c_void) {
+    static ONE: f32 = 1.0;
+    static ZERO: f32 = 0.0;
+    (
+        &ONE as *const f32 as *const c_void,
+        &ZERO as *const f32 as *const c_void,
+    )
 }
 
 fn dims(t: &Tensor) -> [i32; 4] {
@@ -468,47 +541,54 @@ fn run(
         Part::GradX => xd,
         Part::GradWeight => wd,
     };
+    let key = ConvKey {
+        part,
+        data,
+        dims: [xd, wd, yd],
+        options: options.clone(),
+    };
     let client = x.client.clone();
-    let elements: usize = out_dims.iter().map(|&d| d as usize).product();
-    let out = client.empty(elements * x.dtype.size());
-    let descs = Descriptors::new(part, data, [xd, wd, yd], options)?;
-    let ordinal = x.device.index;
-    let plan = with_dnn(ordinal, |dnn| choose(dnn, part, &descs))?;
-    let workspace = (plan.workspace > 0).then(|| client.empty(plan.workspace));
-    let buffers = [
-        Some(&x.handle),
-        Some(&w.handle),
-        Some(&out),
-        grad.as_ref().map(|g| &g.handle),
-        workspace.as_ref(),
-    ];
-    on_dnn_stream(&client, ordinal, &buffers, |dnn, p| {
-        let [px, pw, pout, pgrad, pws] = [p[0], p[1], p[2], p[3], p[4]];
-        let (alpha, beta) = (1.0f32, 0.0f32);
-        let (a, b) = (
-            &alpha as *const f32 as *const c_void,
-            &beta as *const f32 as *const c_void,
-        );
-        let (h, ws) = (dnn.handle, plan.workspace);
-        let err = |e: dnn::CudnnError| format!("{part:?} {}: {e:?}", descs.key);
-        // SAFETY: the pointers are live device buffers of the sizes the descriptors
-        // state (contiguous NCHW, checked dtypes) and the workspace is as large as
-        // cuDNN asked (`on_dnn_stream` orders the stream).
-        unsafe {
-            dnn::set_convolution_math_type(descs.conv, plan.math).map_err(err)?;
-            match plan.algo {
-                Algo::Forward(algo) => dnn::convolution_forward(
-                    h, a, descs.x, px, descs.w, pw, descs.conv, algo, pws, ws, b, descs.y, pout,
-                ),
-                Algo::GradX(algo) => dnn::convolution_backward_data(
-                    h, a, descs.w, pw, descs.y, pgrad, descs.conv, algo, pws, ws, b, descs.x, pout,
-                ),
-                Algo::GradWeight(algo) => dnn::convolution_backward_filter(
-                    h, a, descs.x, px, descs.y, pgrad, descs.conv, algo, pws, ws, b, descs.w, pout,
-                ),
+    let bytes = out_dims.iter().map(|&d| d as usize).product::<usize>() * x.dtype.size();
+    let out = on_device_thread(&client, x.device.index, |dnn| {
+        let conv = dnn.conv(&key)?;
+        let (descs, plan) = (&conv.descs, conv.plan);
+        let out = client.empty(bytes);
+        let workspace = (plan.workspace > 0).then(|| client.empty(plan.workspace));
+        let buffers = [
+            Some(&x.handle),
+            Some(&w.handle),
+            Some(&out),
+            grad.as_ref().map(|g| &g.handle),
+            workspace.as_ref(),
+        ];
+        dnn.queue(&client, &buffers, |dnn, p| {
+            let h = dnn.handle()?;
+            let [px, pw, pout, pgrad, pws] = [p[0], p[1], p[2], p[3], p[4]];
+            let (a, b) = write_scaling();
+            let ws = plan.workspace;
+            let err = |e: dnn::CudnnError| format!("{key:?}: {e:?}");
+            // SAFETY: the pointers are live device buffers of the sizes the descriptors
+            // state (contiguous NCHW, checked dtypes) and the workspace is as large as
+            // cuDNN asked (`queue` orders the stream).
+            unsafe {
+                dnn::set_convolution_math_type(descs.conv, plan.math).map_err(err)?;
+                match plan.algo {
+                    Algo::Forward(algo) => dnn::convolution_forward(
+                        h, a, descs.x, px, descs.w, pw, descs.conv, algo, pws, ws, b, descs.y, pout,
+                    ),
+                    Algo::GradX(algo) => dnn::convolution_backward_data(
+                        h, a, descs.w, pw, descs.y, pgrad, descs.conv, algo, pws, ws, b, descs.x,
+                        pout,
+                    ),
+                    Algo::GradWeight(algo) => dnn::convolution_backward_filter(
+                        h, a, descs.x, px, descs.y, pgrad, descs.conv, algo, pws, ws, b, descs.w,
+                        pout,
+                    ),
+                }
+                .map_err(err)
             }
-            .map_err(err)
-        }
+        })?;
+        Ok(out)
     })?;
     let shape = Shape::new(out_dims.map(|d| d as usize));
     Ok(Tensor::new_contiguous(
@@ -684,8 +764,19 @@ fn norm_inputs<const N: usize>(tensors: [&Tensor; N]) -> Result<[Tensor; N], Str
     Ok(tensors.map(|t| into_contiguous(t.clone())))
 }
 
-fn f32_tensor(client: &Client, x: &Tensor, shape: Shape, handle: Handle) -> Tensor {
-    Tensor::new_contiguous(client.clone(), x.device.clone(), shape, handle, DType::F32)
+/// A batch-norm call's three f32 outputs as tensors: the first of `x`'s shape, the
+/// other two per channel.
+fn norm_outputs(client: &Client, x: &Tensor, [full, a, b]: [Handle; 3]) -> [Tensor; 3] {
+    let shape = x.meta.shape();
+    let channel = Shape::new([shape[1]]);
+    let tensor = |shape: Shape, handle| {
+        Tensor::new_contiguous(client.clone(), x.device.clone(), shape, handle, DType::F32)
+    };
+    [
+        tensor(shape.clone(), full),
+        tensor(channel.clone(), a),
+        tensor(channel, b),
+    ]
 }
 
 /// [`NormBackend::batch_norm_train`] through cuDNN.
@@ -697,51 +788,46 @@ fn norm_train(
 ) -> Result<[Tensor; 3], String> {
     let [x, gamma, beta] = norm_inputs([x, gamma, beta])?;
     let xd = dims(&x);
-    let descs = NormDescriptors::new(xd)?;
     let client = x.client.clone();
     let (size, channels) = (x.meta.shape().num_elements(), xd[1] as usize);
-    let y = client.empty(size * 4);
-    let (mean, inv_std) = (client.empty(channels * 4), client.empty(channels * 4));
-    let buffers = [&x.handle, &gamma.handle, &beta.handle, &y, &mean, &inv_std].map(Some);
-    on_dnn_stream(&client, x.device.index, &buffers, |dnn, p| {
-        let (one, zero) = (1.0f32, 0.0f32);
-        let (a, b) = (
-            &one as *const f32 as *const c_void,
-            &zero as *const f32 as *const c_void,
-        );
-        let null = std::ptr::null_mut();
-        // SAFETY: contiguous f32 buffers of the described shapes; the running
-        // statistics (both null) are updated by the caller, as Burn's module does.
-        unsafe {
-            sys::cudnnBatchNormalizationForwardTraining(
-                dnn.handle,
-                BN_MODE,
-                a,
-                b,
-                descs.x,
-                p[0],
-                descs.x,
-                p[3],
-                descs.channel,
-                p[1],
-                p[2],
-                0.0,
-                null,
-                null,
-                epsilon,
-                p[4],
-                p[5],
-            )
-        }
-        .result()
-        .map_err(|e| format!("batch norm forward {xd:?}: {e:?}"))
+    let [y, mean, inv_std] = on_device_thread(&client, x.device.index, |dnn| {
+        let descs = dnn.norm(xd)?;
+        let y = client.empty(size * 4);
+        let (mean, inv_std) = (client.empty(channels * 4), client.empty(channels * 4));
+        let buffers = [&x.handle, &gamma.handle, &beta.handle, &y, &mean, &inv_std].map(Some);
+        dnn.queue(&client, &buffers, |dnn, p| {
+            let h = dnn.handle()?;
+            let (a, b) = write_scaling();
+            let null = std::ptr::null_mut();
+            // SAFETY: contiguous f32 buffers of the described shapes; the running
+            // statistics (both null) are updated by the caller, as Burn's module does.
+            unsafe {
+                sys::cudnnBatchNormalizationForwardTraining(
+                    h,
+                    BN_MODE,
+                    a,
+                    b,
+                    descs.x,
+                    p[0],
+                    descs.x,
+                    p[3],
+                    descs.channel,
+                    p[1],
+                    p[2],
+                    0.0,
+                    null,
+                    null,
+                    epsilon,
+                    p[4],
+                    p[5],
+                )
+            }
+            .result()
+            .map_err(|e| format!("batch norm forward {xd:?}: {e:?}"))
+        })?;
+        Ok([y, mean, inv_std])
     })?;
-    let stat = Shape::new([channels]);
-    Ok([
-        f32_tensor(&client, &x, x.meta.shape().clone(), y),
-        f32_tensor(&client, &x, stat.clone(), mean),
-        f32_tensor(&client, &x, stat, inv_std),
-    ])
+    Ok(norm_outputs(&client, &x, [y, mean, inv_std]))
 }
 
 /// [`NormBackend::batch_norm_grad`] through cuDNN.
@@ -755,62 +841,57 @@ fn norm_grad(
 ) -> Result<[Tensor; 3], String> {
     let [x, gamma, mean, inv_std, dy] = norm_inputs([x, gamma, mean, inv_std, dy])?;
     let xd = dims(&x);
-    let descs = NormDescriptors::new(xd)?;
     let client = x.client.clone();
     let (size, channels) = (x.meta.shape().num_elements(), xd[1] as usize);
-    let dx = client.empty(size * 4);
-    let (dgamma, dbeta) = (client.empty(channels * 4), client.empty(channels * 4));
-    let buffers = [
-        &x.handle,
-        &gamma.handle,
-        &mean.handle,
-        &inv_std.handle,
-        &dy.handle,
-        &dx,
-        &dgamma,
-        &dbeta,
-    ]
-    .map(Some);
-    on_dnn_stream(&client, x.device.index, &buffers, |dnn, p| {
-        let (one, zero) = (1.0f32, 0.0f32);
-        let (a, b) = (
-            &one as *const f32 as *const c_void,
-            &zero as *const f32 as *const c_void,
-        );
-        // SAFETY: contiguous f32 buffers of the described shapes; mean and inverse
-        // deviation are the forward pass's, computed with the same epsilon.
-        unsafe {
-            sys::cudnnBatchNormalizationBackward(
-                dnn.handle,
-                BN_MODE,
-                a,
-                b,
-                a,
-                b,
-                descs.x,
-                p[0],
-                descs.x,
-                p[4],
-                descs.x,
-                p[5],
-                descs.channel,
-                p[1],
-                p[6],
-                p[7],
-                epsilon,
-                p[2],
-                p[3],
-            )
-        }
-        .result()
-        .map_err(|e| format!("batch norm backward {xd:?}: {e:?}"))
+    let [dx, dgamma, dbeta] = on_device_thread(&client, x.device.index, |dnn| {
+        let descs = dnn.norm(xd)?;
+        let dx = client.empty(size * 4);
+        let (dgamma, dbeta) = (client.empty(channels * 4), client.empty(channels * 4));
+        let buffers = [
+            &x.handle,
+            &gamma.handle,
+            &mean.handle,
+            &inv_std.handle,
+            &dy.handle,
+            &dx,
+            &dgamma,
+            &dbeta,
+        ]
+        .map(Some);
+        dnn.queue(&client, &buffers, |dnn, p| {
+            let h = dnn.handle()?;
+            let (a, b) = write_scaling();
+            // SAFETY: contiguous f32 buffers of the described shapes; mean and inverse
+            // deviation are the forward pass's, computed with the same epsilon.
+            unsafe {
+                sys::cudnnBatchNormalizationBackward(
+                    h,
+                    BN_MODE,
+                    a,
+                    b,
+                    a,
+                    b,
+                    descs.x,
+                    p[0],
+                    descs.x,
+                    p[4],
+                    descs.x,
+                    p[5],
+                    descs.channel,
+                    p[1],
+                    p[6],
+                    p[7],
+                    epsilon,
+                    p[2],
+                    p[3],
+                )
+            }
+            .result()
+            .map_err(|e| format!("batch norm backward {xd:?}: {e:?}"))
+        })?;
+        Ok([dx, dgamma, dbeta])
     })?;
-    let param = Shape::new([channels]);
-    Ok([
-        f32_tensor(&client, &x, x.meta.shape().clone(), dx),
-        f32_tensor(&client, &x, param.clone(), dgamma),
-        f32_tensor(&client, &x, param, dbeta),
-    ])
+    Ok(norm_outputs(&client, &x, [dx, dgamma, dbeta]))
 }
 
 /// cuDNN's result, or `None` (Burn's operations) when BatchNorm is not routed to

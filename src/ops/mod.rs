@@ -52,7 +52,7 @@ pub enum CudnnRoute {
 
 /// The three parts of a convolution a backend can replace.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) enum Part {
     Forward,
     GradX,

@@ -145,6 +145,12 @@ impl Handover {
 
     /// Step 1 and the wait of step 2: `stream` runs nothing queued after this until
     /// everything queued on this thread's cubecl stream before it has run.
+    ///
+    /// Must run on cubecl's device thread (`ComputeClient::exclusive`). Elsewhere
+    /// cubecl only queues the store for that thread, and a kernel spinning on the GPU
+    /// for a store still in that queue could wait forever if the device thread
+    /// meanwhile waited for the whole GPU (freeing memory does). On the device
+    /// thread the store reaches CUDA's stream before this returns.
     pub fn wait_for_cubecl(
         &mut self,
         client: &Client,
@@ -154,13 +160,6 @@ impl Handover {
         self.token = self.token.wrapping_add(1).max(1);
         let token = self.token;
         self.on_cubecl(client, store_flag::launch::<CudaRuntime>, token);
-        // cubecl queues launches for its device thread. A kernel spinning here for a
-        // store still in that queue could wait forever if the device thread meanwhile
-        // waited for the whole GPU (freeing memory does): a blocking call returns only
-        // once the thread has launched everything queued before it.
-        client
-            .get_resource(Handle::clone(&self.flags))
-            .map_err(|e| format!("{e:?}"))?;
         self.launch(self.wait, stream, token)?;
         Ok(token)
     }
