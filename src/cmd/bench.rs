@@ -90,6 +90,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         doc["batch_norm"] = format!("{:?}", config.train.batch_norm)
             .to_lowercase()
             .into();
+        doc["pin_memory"] = config.data.pin_memory.into();
         println!("{}", serde_json::to_string(&doc)?);
     } else {
         println!(
@@ -110,8 +111,13 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         println!("  throughput        {:>9.0} img/s", report.img_per_s);
         if let Some(b) = &report.breakdown {
             println!(
-                "  synced phases     upload {:.2} | forward {:.2} | backward {:.2} | optimizer {:.2} = {:.2} ms",
-                b.upload_ms, b.forward_ms, b.backward_ms, b.optimizer_ms, b.total_ms
+                "  synced phases     upload {:.2} (host {:.2}) | forward {:.2} | backward {:.2} | optimizer {:.2} = {:.2} ms",
+                b.upload_ms,
+                b.upload_host_ms,
+                b.forward_ms,
+                b.backward_ms,
+                b.optimizer_ms,
+                b.total_ms
             );
         }
         if !report.device_busy_ms.is_empty() {

@@ -24,8 +24,9 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     }
 }
 
-/// Where kernels are cached, how they are tuned and what cuDNN runs (convolutions,
-/// BatchNorm), from the config and the plan (cuDNN is looked for on the first GPU).
+/// Where kernels are cached, how they are tuned, what cuDNN runs (convolutions,
+/// BatchNorm) and how batches are uploaded, from the config and the plan (cuDNN is
+/// looked for on the first GPU).
 fn kernel_settings(
     config: &crate::config::Config,
     plan: &crate::device::DevicePlan,
@@ -84,11 +85,13 @@ fn kernel_settings(
             false
         }
     };
+    let cuda = matches!(plan, crate::device::DevicePlan::Cuda { .. });
     Ok(crate::train::backend::KernelSettings {
         cache_dir: crate::device::kernel_cache_dir(&config.devices.cache_dir),
         autotune: config.train.autotune,
         cudnn,
         cudnn_batch_norm,
+        pinned_uploads: config.data.pin_memory && cuda,
     })
 }
 

@@ -1,16 +1,19 @@
 //! [`ConvBackend`] and [`NormBackend`] on Burn's fusion backend: each part enters the
 //! fusion stream as one custom operation that runs the inner backend's version when
-//! the stream executes, as Burn's own non-fusable operations do.
+//! the stream executes, as Burn's own non-fusable operations do. [`UploadBackend`]
+//! registers the inner backend's upload as the stream's input, as `from_data` does.
 
 use std::marker::PhantomData;
 
 use burn::tensor::ops::{ConvOptions, FloatTensor};
-use burn::tensor::{DType, Shape};
+use burn::tensor::{DType, Shape, TensorMetadata};
 use burn_fusion::stream::{Operation, OperationStreams};
-use burn_fusion::{Fusion, FusionBackend, FusionRuntime, FusionTensor};
-use burn_ir::{CustomOpIr, HandleContainer, OperationIr, OperationOutput, TensorIr};
+use burn_fusion::{Fusion, FusionBackend, FusionRuntime, FusionTensor, NoOp, get_client};
+use burn_ir::{
+    CustomOpIr, HandleContainer, InitOperationIr, OperationIr, OperationOutput, TensorIr,
+};
 
-use super::{ConvBackend, NormBackend, Part, conv2d_output_dims};
+use super::{ConvBackend, NormBackend, Part, UploadBackend, conv2d_output_dims};
 
 #[derive(Debug)]
 struct ConvOp<B> {
@@ -210,5 +213,22 @@ impl<B: FusionBackend + NormBackend> NormBackend for Fusion<B> {
             outputs,
             epsilon,
         )
+    }
+}
+
+impl<B: FusionBackend + UploadBackend> UploadBackend for Fusion<B> {
+    fn upload_f32(values: Vec<f32>, device: &Self::Device) -> FloatTensor<Self> {
+        let client = get_client::<B>(device);
+        let tensor = B::upload_f32(values, device);
+        let (shape, dtype) = (tensor.shape(), tensor.dtype());
+        let handle = B::float_tensor_handle(tensor);
+        let desc = InitOperationIr::create(shape, dtype, || client.register_tensor_handle(handle));
+        client
+            .register(
+                OperationStreams::default(),
+                OperationIr::Init(desc),
+                NoOp::<B>::new(),
+            )
+            .output()
     }
 }

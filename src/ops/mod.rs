@@ -1,7 +1,8 @@
 //! Backend extensions: operations kiln's models call through a trait of their own,
 //! so a backend can put other kernels behind them: the convolution and BatchNorm's
 //! training pass, which on CUDA can run on cuDNN (`train.convolution`,
-//! `train.batch_norm`).
+//! `train.batch_norm`), and the upload of a batch, which on CUDA can read page-locked
+//! memory (`data.pin_memory`).
 
 mod conv;
 #[cfg(feature = "cuda")]
@@ -10,15 +11,20 @@ pub mod cudnn;
 mod fusion;
 mod norm;
 #[cfg(feature = "cuda")]
+pub mod pinned;
+#[cfg(feature = "cuda")]
 mod stream_order;
+mod upload;
 
 pub use conv::{ConvBackend, conv2d};
 pub use norm::{NormBackend, batch_norm};
+pub use upload::{UploadBackend, upload_f32};
 
-/// What kiln's models call on a backend: its convolution and its BatchNorm.
-pub trait ModelBackend: ConvBackend + NormBackend {}
+/// What kiln's models and steps call on a backend: its convolution, its BatchNorm and
+/// its upload of a batch.
+pub trait ModelBackend: ConvBackend + NormBackend + UploadBackend {}
 
-impl<B: ConvBackend + NormBackend> ModelBackend for B {}
+impl<B: ConvBackend + NormBackend + UploadBackend> ModelBackend for B {}
 
 /// The output shape (NKPQ) of a convolution of `x` (NCHW) by `weight` (KCRS).
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]

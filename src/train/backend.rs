@@ -32,6 +32,9 @@ pub struct KernelSettings {
     /// [`probe_cudnn_batch_norm`] succeeded).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub cudnn_batch_norm: bool,
+    /// Whether batches are uploaded from page-locked memory (`data.pin_memory`).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub pinned_uploads: bool,
 }
 
 /// cuDNN's version if it can be loaded and plan a convolution on GPU `ordinal`, else
@@ -141,6 +144,7 @@ mod cuda {
             CubeClRuntimeConfig::set(cfg);
             crate::ops::cudnn::set_route(kernels.cudnn);
             crate::ops::cudnn::set_batch_norm(kernels.cudnn_batch_norm);
+            crate::ops::pinned::set_pinned(kernels.pinned_uploads);
         });
     }
 }

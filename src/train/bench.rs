@@ -36,7 +36,11 @@ pub struct BenchJob {
 /// Milliseconds per step, phase by phase, each ended by a device synchronisation.
 #[derive(Debug, Clone, Serialize)]
 pub struct Breakdown {
+    /// From host memory to the device, the batch already in host memory.
     pub upload_ms: f64,
+    /// Of `upload_ms`, the uploading thread's own time before it can go on (with
+    /// `data.pin_memory`: the copy into page-locked memory); the rest is the transfer.
+    pub upload_host_ms: f64,
     pub forward_ms: f64,
     pub backward_ms: f64,
     pub optimizer_ms: f64,
@@ -183,9 +187,12 @@ fn breakdown<B: TrainBackend>(
 ) -> Breakdown {
     let sync = || B::sync(device).expect("the device should synchronise");
     let mut ms = [0f64; 4];
+    let mut host = 0.0;
     for _ in 0..steps {
+        let batch = batch.clone();
         let t = Instant::now();
-        let (images, labels) = to_device::<B>(batch.clone(), device);
+        let (images, labels) = to_device::<B>(batch, device);
+        host += t.elapsed().as_secs_f64();
         sync();
         ms[0] += t.elapsed().as_secs_f64();
 
@@ -208,6 +215,7 @@ fn breakdown<B: TrainBackend>(
     let per = |v: f64| v * 1e3 / steps.max(1) as f64;
     Breakdown {
         upload_ms: per(ms[0]),
+        upload_host_ms: per(host),
         forward_ms: per(ms[1]),
         backward_ms: per(ms[2]),
         optimizer_ms: per(ms[3]),

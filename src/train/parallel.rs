@@ -29,6 +29,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use crate::ops::UploadBackend;
 use burn::module::{AutodiffModule, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
@@ -169,7 +170,9 @@ pub struct Replicas<B: AutodiffBackend, M: AutodiffModule<B>> {
     pending: Arc<Mutex<Vec<bool>>>,
 }
 
-impl<B: AutodiffBackend, M: Classifier<B> + AutodiffModule<B> + 'static> Replicas<B, M> {
+impl<B: AutodiffBackend + UploadBackend, M: Classifier<B> + AutodiffModule<B> + 'static>
+    Replicas<B, M>
+{
     pub fn start(
         devices: &[B::Device],
         names: &[String],
@@ -510,7 +513,9 @@ struct WorkerEnds<B: AutodiffBackend, M: AutodiffModule<B>> {
 
 /// One device's thread. Replies to every `Work` and `ReadBuffers`, in order; a failure
 /// in a message nobody waits for is reported with the next reply.
-fn worker_loop<B: AutodiffBackend, M: Classifier<B> + AutodiffModule<B>>(ends: WorkerEnds<B, M>) {
+fn worker_loop<B: AutodiffBackend + UploadBackend, M: Classifier<B> + AutodiffModule<B>>(
+    ends: WorkerEnds<B, M>,
+) {
     let WorkerEnds {
         i,
         rx,
@@ -635,7 +640,7 @@ fn worker_loop<B: AutodiffBackend, M: Classifier<B> + AutodiffModule<B>>(ends: W
     }
 }
 
-fn run_job<B: AutodiffBackend, M: Classifier<B> + AutodiffModule<B>>(
+fn run_job<B: AutodiffBackend + UploadBackend, M: Classifier<B> + AutodiffModule<B>>(
     job: &mut Job<M>,
     model: M,
     device: &B::Device,

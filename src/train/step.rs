@@ -13,6 +13,7 @@ use super::optim::Optim;
 use crate::config::TrainConfig;
 use crate::data::Batch;
 use crate::model::Classifier;
+use crate::ops::{UploadBackend, upload_f32};
 
 /// Device-side sums over the images seen: loss times images, and correct predictions.
 pub struct Sums<B: Backend> {
@@ -57,18 +58,16 @@ impl<B: Backend> Sums<B> {
     }
 }
 
-pub fn to_device<B: Backend>(
+/// The batch on `device`: images through [`UploadBackend`] (page-locked staging on
+/// CUDA with `data.pin_memory`), labels as they are.
+pub fn to_device<B: UploadBackend>(
     batch: Batch,
     device: &B::Device,
 ) -> (Tensor<B, 4>, Tensor<B, 1, Int>) {
     let n = batch.labels.len();
     // Uploaded flat, then reshaped (free): cubecl 0.10 may pad the rows of a tensor of
-    // rank 2 or more, and the result is contiguous either way, as cuDNN takes it. The
-    // upload was not faster this way (measured on an H200); its time was page faults,
-    // see the allocator in main.rs.
-    let len = batch.images.len();
-    let images = Tensor::<B, 1>::from_data(TensorData::new(batch.images, [len]), device)
-        .reshape(batch.shape);
+    // rank 2 or more, and the result is contiguous either way, as cuDNN takes it.
+    let images = upload_f32::<B>(batch.images, device).reshape(batch.shape);
     let labels = Tensor::from_data(TensorData::new(batch.labels, [n]), device);
     (images, labels)
 }
@@ -76,7 +75,10 @@ pub fn to_device<B: Backend>(
 /// Forward and backward on one batch, with the loss scaled by `weight` so that the
 /// gradients of several pieces of a global batch sum to the gradient of its mean loss
 /// (`weight` = images in the piece / images in the global batch).
-pub fn forward_backward<B: AutodiffBackend, M: Classifier<B> + AutodiffModule<B>>(
+pub fn forward_backward<
+    B: AutodiffBackend + UploadBackend,
+    M: Classifier<B> + AutodiffModule<B>,
+>(
     model: &M,
     batch: Batch,
     device: &B::Device,
@@ -148,7 +150,7 @@ pub fn apply_clipped<B: AutodiffBackend, M: AutodiffModule<B>>(
 
 /// Trains on one global batch on one device: its micro-batches' gradients summed,
 /// then one optimizer step (skipped, and `false`, when fp16 gradients overflowed).
-pub fn train_step<B: AutodiffBackend, M: Classifier<B> + AutodiffModule<B>>(
+pub fn train_step<B: AutodiffBackend + UploadBackend, M: Classifier<B> + AutodiffModule<B>>(
     model: M,
     optim: &mut Optim<M, B>,
     batch: Batch,
@@ -172,7 +174,7 @@ pub fn train_step<B: AutodiffBackend, M: Classifier<B> + AutodiffModule<B>>(
 }
 
 /// Loss and accuracy sums of `model` (BatchNorm in inference mode) on one batch.
-pub fn eval_batch<B: Backend, M: Classifier<B>>(
+pub fn eval_batch<B: UploadBackend, M: Classifier<B>>(
     model: &M,
     batch: Batch,
     device: &B::Device,

@@ -780,6 +780,16 @@ fn bench_reports_throughput_as_json_and_as_text() {
     assert!(doc["img_per_s"].as_f64().unwrap() > 0.0);
     assert!(doc["breakdown"]["backward_ms"].as_f64().unwrap() > 0.0);
     assert_eq!(doc["precision"], "fp32");
+    // Page-locked uploads are the default, a CUDA path that the CPU has no use for.
+    assert_eq!(doc["pin_memory"], true);
+    let pageable = Output::of(
+        kiln()
+            .args(args)
+            .args(["--json", "--set", "data.pin_memory=false"]),
+    );
+    let doc: serde_json::Value = serde_json::from_str(pageable.stdout.trim()).unwrap();
+    pageable.success();
+    assert_eq!(doc["pin_memory"], false);
     Output::of(kiln().args(args).args(["--precision", "fp16"]))
         .success()
         .stdout_has("throughput")
