@@ -35,6 +35,15 @@ bench() {  # name, then kiln bench args
   timeout "$(limit)" "$K" bench --json "${SET[@]}" "$@" > "$RES/bench-$name.json" 2> "$RES/bench-$name.log"
   log "bench $name done ($?)"
 }
+# Benches in turns, so the lease's speed is shared: rounds of NAME-new-I
+# (`pin_memory = false`) and NAME-pin-I (`true`).
+pin_turns() {  # rounds, name, then kiln bench args
+  local n=$1 name=$2 i; shift 2
+  for i in $(seq "$n"); do
+    CAP=60 bench "$name-new-$i" "$@" --set data.pin_memory=false
+    CAP=60 bench "$name-pin-$i" "$@" --set data.pin_memory=true
+  done
+}
 torch() {  # name, then reference args (one GPU, CUDA_VISIBLE_DEVICES set by the caller)
   local name=$1; shift
   [ "$(left)" -gt 40 ] || { log "torch $name skipped"; return; }
