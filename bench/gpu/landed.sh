@@ -6,11 +6,8 @@
 # sixth call's .gpu/caches.tar.xz. See lib.sh.
 set -u
 source "$(dirname "$0")/lib.sh"
-xz -dc .gpu/kiln-test.xz > /tmp/kiln-test && chmod +x /tmp/kiln-test
-timeout 60 /tmp/kiln-test --ignored pinned_upload --test-threads 1 > "$RES/test-pinned.log" 2>&1
-log "test pinned done ($?)"
-timeout 60 /tmp/kiln-test --ignored cudnn_batch_norm --test-threads 1 > "$RES/test-bn.log" 2>&1
-log "test bn done ($?)"
+gpu_test pinned pinned_upload 60
+gpu_test bn cudnn_batch_norm 60
 train default 0
 CAP=40 bench r50 "${R50[@]}" --devices 0
 finish

@@ -35,6 +35,12 @@ bench() {  # name, then kiln bench args
   timeout "$(limit)" "$K" bench --json "${SET[@]}" "$@" > "$RES/bench-$name.json" 2> "$RES/bench-$name.log"
   log "bench $name done ($?)"
 }
+# One ignored GPU test of .gpu/kiln-test.xz (this build's unit-test binary).
+gpu_test() {  # name, test filter, time limit in seconds
+  [ -x /tmp/kiln-test ] || { xz -dc .gpu/kiln-test.xz > /tmp/kiln-test && chmod +x /tmp/kiln-test; }
+  timeout "$3" /tmp/kiln-test --ignored "$2" --test-threads 1 > "$RES/test-$1.log" 2>&1
+  log "test $1 done ($?)"
+}
 # Benches in turns, so the lease's speed is shared: rounds of NAME-new-I
 # (`pin_memory = false`) and NAME-pin-I (`true`).
 pin_turns() {  # rounds, name, then kiln bench args
