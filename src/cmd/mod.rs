@@ -85,13 +85,13 @@ fn kernel_settings(
             false
         }
     };
-    let cuda = matches!(plan, crate::device::DevicePlan::Cuda { .. });
     Ok(crate::train::backend::KernelSettings {
         cache_dir: crate::device::kernel_cache_dir(&config.devices.cache_dir),
         autotune: config.train.autotune,
         cudnn,
         cudnn_batch_norm,
-        pinned_uploads: config.data.pin_memory && cuda,
+        // Applied by the CUDA backend only; the CPU uploads nothing.
+        pinned_uploads: config.data.pin_memory,
     })
 }
 

@@ -143,19 +143,28 @@ fn with_dnn<T>(ordinal: usize, f: impl FnOnce(&mut Dnn) -> Result<T, String>) ->
     })
 }
 
-fn cuda(e: drv::DriverError) -> String {
+pub(crate) fn cuda(e: drv::DriverError) -> String {
     format!("CUDA: {:?}", e.0)
+}
+
+/// GPU `ordinal`'s primary context, the one cubecl works in, made current on this
+/// thread. Retained again on every call (which only raises its reference count) and
+/// never released.
+pub(crate) fn make_primary_current(ordinal: usize) -> Result<dsys::CUcontext, String> {
+    drv::init().map_err(cuda)?;
+    let device = drv::device::get(ordinal as i32).map_err(cuda)?;
+    // SAFETY: retaining the primary context only raises its reference count; a context
+    // just retained can be made current.
+    unsafe {
+        let context = drv::primary_ctx::retain(device).map_err(cuda)?;
+        drv::ctx::set_current(context).map_err(cuda)?;
+        Ok(context)
+    }
 }
 
 impl Dnn {
     fn new(ordinal: usize) -> Result<Self, String> {
-        drv::init().map_err(cuda)?;
-        let device = drv::device::get(ordinal as i32).map_err(cuda)?;
-        // SAFETY: cubecl works in the device's primary context; retaining it again only
-        // raises its reference count.
-        let context = unsafe { drv::primary_ctx::retain(device) }.map_err(cuda)?;
-        // SAFETY: a context just retained.
-        unsafe { drv::ctx::set_current(context) }.map_err(cuda)?;
+        let context = make_primary_current(ordinal)?;
         let stream = drv::stream::create(drv::stream::StreamKind::NonBlocking).map_err(cuda)?;
         Ok(Dnn {
             handle: None,
@@ -436,7 +445,7 @@ pub(crate) fn on_kiln_stream(
 }
 
 impl Dnn {
-    /// Queues `call` on this thread's cuDNN stream with the device addresses of
+    /// Queues `call` on this thread's stream (cuDNN's) with the device addresses of
     /// `buffers` (null for `None`), ordered on the GPU after the cubecl work queued so
     /// far on `client`'s stream and before any queued after (`stream_order`; host waits
     /// where that cannot be set up). Runs on cubecl's device thread

@@ -27,7 +27,7 @@ use cubecl::Runtime;
 use cudarc::driver::{result as drv, sys as dsys};
 
 use super::UploadBackend;
-use super::cudnn::on_kiln_stream;
+use super::cudnn::{cuda, make_primary_current, on_kiln_stream};
 
 static PINNED: AtomicBool = AtomicBool::new(false);
 
@@ -53,10 +53,6 @@ static FREE: Mutex<Vec<Buffer>> = Mutex::new(Vec::new());
 
 /// The pool keeps at most this many free buffers; more are given back to the driver.
 const MAX_FREE: usize = 8;
-
-fn cuda(e: drv::DriverError) -> String {
-    format!("CUDA: {:?}", e.0)
-}
 
 /// The smallest free buffer of at least `size` bytes, or a new one. Needs the device's
 /// context current on this thread for a new one.
@@ -97,23 +93,16 @@ unsafe extern "C" fn copied(buffer: *mut c_void) {
     give_back(*unsafe { Box::from_raw(buffer as *mut Buffer) });
 }
 
-/// Makes the device's primary context (cubecl's) current on this thread, for
-/// `cuMemHostAlloc`.
+/// Makes the device's primary context current on this thread, for `cuMemHostAlloc`;
+/// once per thread and device.
 fn make_current(ordinal: usize) -> Result<(), String> {
     thread_local! {
         static CURRENT: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
     }
-    if CURRENT.get() == Some(ordinal) {
-        return Ok(());
+    if CURRENT.get() != Some(ordinal) {
+        make_primary_current(ordinal)?;
+        CURRENT.set(Some(ordinal));
     }
-    // SAFETY: retaining the primary context only raises its reference count.
-    unsafe {
-        drv::init().map_err(cuda)?;
-        let device = drv::device::get(ordinal as i32).map_err(cuda)?;
-        let context = drv::primary_ctx::retain(device).map_err(cuda)?;
-        drv::ctx::set_current(context).map_err(cuda)?;
-    }
-    CURRENT.set(Some(ordinal));
     Ok(())
 }
 
