@@ -201,6 +201,9 @@ pub struct BenchArgs {
     /// Arithmetic (`train.precision`): fp32, bf16 or fp16.
     #[arg(long)]
     pub precision: Option<String>,
+    /// Channels-last activations and weights (`train.channels_last = true`).
+    #[arg(long)]
+    pub channels_last: bool,
     /// Which GPUs (`devices.use`): `all`, `auto`, or logical indices like `0,1`.
     #[arg(long, value_name = "GPUS")]
     pub devices: Option<String>,

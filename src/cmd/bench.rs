@@ -47,6 +47,9 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     if let Some(precision) = &args.precision {
         sets.push(format!("train.precision={precision}"));
     }
+    if args.channels_last {
+        sets.push("train.channels_last=true".into());
+    }
     let config: Config = match &args.config {
         Some(path) => config::load(path, &sets)?,
         None => config::load_str(BASE, "kiln bench defaults", &sets)?,
@@ -77,7 +80,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         DevicePlan::Cpu { .. } => None,
     };
     let device = plan.device_names().join(", ");
-    let precision = format!("{:?}", config.train.precision).to_lowercase();
+    let mut precision = format!("{:?}", config.train.precision).to_lowercase();
     if args.json {
         let mut doc = serde_json::to_value(&report)?;
         doc["device"] = device.into();
@@ -91,8 +94,12 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
             .to_lowercase()
             .into();
         doc["pin_memory"] = config.data.pin_memory.into();
+        doc["channels_last"] = config.train.channels_last.into();
         println!("{}", serde_json::to_string(&doc)?);
     } else {
+        if config.train.channels_last {
+            precision.push_str(", channels-last");
+        }
         println!(
             "kiln bench: {} {}px batch {} ({} per device), {precision}, on {device}",
             report.model,

@@ -186,9 +186,10 @@ pub enum Autotune {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Convolution {
-    /// cuDNN for fp32 convolutions when it can be loaded (`libcudnn.so.9` on the
-    /// library path), otherwise Burn's kernels, with a note saying why. bf16 and fp16
-    /// convolutions stay on Burn's kernels, which measured faster than cuDNN's on NCHW.
+    /// cuDNN for fp32 convolutions and for channels-last ones of every precision when
+    /// it can be loaded (`libcudnn.so.9` on the library path), otherwise Burn's kernels,
+    /// with a note saying why. NCHW bf16 and fp16 convolutions stay on Burn's kernels,
+    /// which measured faster than cuDNN's there.
     Auto,
     /// cuDNN for every precision, or an error before training starts when it cannot
     /// be loaded.
@@ -281,6 +282,10 @@ pub struct TrainConfig {
     pub device_weights: Vec<f64>,
     /// Number format of the training arithmetic: `fp32`, or `bf16` / `fp16` mixed precision.
     pub precision: Precision,
+    /// Activations as `[N, H, W, C]` and convolution weights as `[K, R, S, C]` inside
+    /// the network (`model::precision`); with bf16/fp16 the activations also stay in
+    /// the low precision between layers.
+    pub channels_last: bool,
     /// `dp` or `ddp` (see `Strategy`); only with several devices. `ddp` by default: it
     /// measured faster on two H200s (BENCHMARKS.md), since `dp` copies the weights out
     /// and the gradients in on the main thread, between steps.
@@ -317,6 +322,7 @@ impl Default for TrainConfig {
             batch_norm: BatchNormKernels::Auto,
             device_weights: Vec::new(),
             precision: Precision::Fp32,
+            channels_last: false,
             strategy: Strategy::Ddp,
             gradient_checkpointing: false,
             transfer_bucket_mib: 0,

@@ -9,8 +9,7 @@ use burn::tensor::Tensor;
 use burn::tensor::activation::relu;
 use burn::tensor::backend::Backend;
 
-use super::precision;
-use crate::config::Precision;
+use super::precision::{self, Compute};
 
 /// He-normal, fan-out, as torchvision initialises ResNet convolutions.
 fn he_normal() -> Initializer {
@@ -55,8 +54,8 @@ impl<B: ModelBackend> Projection<B> {
         }
     }
 
-    fn forward(&self, x: Tensor<B, 4>, p: Precision) -> Tensor<B, 4> {
-        batch_norm(&self.bn, precision::conv(&self.conv, x, p))
+    fn forward(&self, x: Tensor<B, 4>, c: Compute) -> Tensor<B, 4> {
+        batch_norm(&self.bn, precision::conv(&self.conv, x, c), c.layout)
     }
 }
 
@@ -91,13 +90,17 @@ impl<B: ModelBackend> Basic<B> {
     }
 
     /// `[B, cin, H, W] -> [B, cout, H / stride, W / stride]`
-    pub fn forward(&self, x: Tensor<B, 4>, p: Precision) -> Tensor<B, 4> {
+    pub fn forward(&self, x: Tensor<B, 4>, c: Compute) -> Tensor<B, 4> {
         let identity = match &self.shortcut {
-            Some(s) => s.forward(x.clone(), p),
+            Some(s) => s.forward(x.clone(), c),
             None => x.clone(),
         };
-        let y = relu(batch_norm(&self.bn1, precision::conv(&self.conv1, x, p)));
-        let y = batch_norm(&self.bn2, precision::conv(&self.conv2, y, p));
+        let y = relu(batch_norm(
+            &self.bn1,
+            precision::conv(&self.conv1, x, c),
+            c.layout,
+        ));
+        let y = batch_norm(&self.bn2, precision::conv(&self.conv2, y, c), c.layout);
         relu(y + identity)
     }
 }
@@ -129,14 +132,22 @@ impl<B: ModelBackend> Bottleneck<B> {
     }
 
     /// `[B, cin, H, W] -> [B, 4 * width, H / stride, W / stride]`
-    pub fn forward(&self, x: Tensor<B, 4>, p: Precision) -> Tensor<B, 4> {
+    pub fn forward(&self, x: Tensor<B, 4>, c: Compute) -> Tensor<B, 4> {
         let identity = match &self.shortcut {
-            Some(s) => s.forward(x.clone(), p),
+            Some(s) => s.forward(x.clone(), c),
             None => x.clone(),
         };
-        let y = relu(batch_norm(&self.bn1, precision::conv(&self.conv1, x, p)));
-        let y = relu(batch_norm(&self.bn2, precision::conv(&self.conv2, y, p)));
-        let y = batch_norm(&self.bn3, precision::conv(&self.conv3, y, p));
+        let y = relu(batch_norm(
+            &self.bn1,
+            precision::conv(&self.conv1, x, c),
+            c.layout,
+        ));
+        let y = relu(batch_norm(
+            &self.bn2,
+            precision::conv(&self.conv2, y, c),
+            c.layout,
+        ));
+        let y = batch_norm(&self.bn3, precision::conv(&self.conv3, y, c), c.layout);
         relu(y + identity)
     }
 }
@@ -151,10 +162,10 @@ pub enum Block<B: Backend> {
 }
 
 impl<B: ModelBackend> Block<B> {
-    pub fn forward(&self, x: Tensor<B, 4>, p: Precision) -> Tensor<B, 4> {
+    pub fn forward(&self, x: Tensor<B, 4>, c: Compute) -> Tensor<B, 4> {
         match self {
-            Block::Basic(b) => b.forward(x, p),
-            Block::Bottleneck(b) => b.forward(x, p),
+            Block::Basic(b) => b.forward(x, c),
+            Block::Bottleneck(b) => b.forward(x, c),
         }
     }
 }

@@ -5,6 +5,7 @@ mod flavors;
 mod precision;
 mod resnet;
 
+pub use precision::Compute;
 pub use resnet::{ModelSpec, ResNet};
 
 use crate::ops::ModelBackend;

@@ -1,9 +1,14 @@
-//! Mixed precision (`train.precision`): convolutions and the classifier's matmul take
-//! bfloat16 or float16 copies of their input and of the fp32 master weights and hand
-//! their result back in fp32, so BatchNorm (statistics included), the residual
-//! additions, pooling, the loss and the optimizer stay in fp32, as PyTorch's autocast
-//! does. Burn's casts are differentiable: the backward pass runs the convolutions'
-//! gradients in the low precision and casts the weight gradients back to fp32.
+//! Mixed precision (`train.precision`) and the activations' layout
+//! (`train.channels_last`). Convolutions and the classifier's matmul take bfloat16 or
+//! float16 copies of their input and of the fp32 master weights. In NCHW they hand
+//! their result back in fp32, so BatchNorm, the residual additions, pooling, the loss
+//! and the optimizer stay in fp32. Channels-last keeps the activations in the low
+//! precision from the first convolution to the global pool, as PyTorch's autocast with
+//! `channels_last` does: BatchNorm takes and returns them in it but computes its
+//! statistics in fp32 on fp32 parameters; ReLU and the residual additions run in it;
+//! the pool, the loss and the optimizer are fp32. Burn's casts are differentiable: the
+//! backward pass runs the convolutions' gradients in the low precision and casts the
+//! weight gradients back to fp32.
 
 use burn::nn::conv::Conv2d;
 use burn::nn::{Linear, PaddingConfig2d};
@@ -13,7 +18,41 @@ use burn::tensor::ops::ConvOptions;
 use burn::tensor::{FloatDType, Tensor};
 
 use crate::config::Precision;
-use crate::ops::{ConvBackend, conv2d};
+use crate::ops::{ConvBackend, Layout, conv2d};
+
+/// How the network computes: number format and activation layout. Not part of the
+/// weights, so a checkpoint resumes under any of them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Compute {
+    pub precision: Precision,
+    pub layout: Layout,
+}
+
+impl Compute {
+    pub fn new(precision: Precision, channels_last: bool) -> Self {
+        let layout = if channels_last {
+            Layout::Nhwc
+        } else {
+            Layout::Nchw
+        };
+        Compute { precision, layout }
+    }
+
+    /// The dtype of the activations between layers: the compute dtype channels-last,
+    /// fp32 (`None`) otherwise.
+    pub fn activation_dtype(&self) -> Option<FloatDType> {
+        match self.layout {
+            Layout::Nchw => None,
+            Layout::Nhwc => compute_dtype(self.precision),
+        }
+    }
+}
+
+impl Default for Compute {
+    fn default() -> Self {
+        Compute::new(Precision::Fp32, false)
+    }
+}
 
 /// The dtype convolutions and matmuls compute in; `None` for fp32 (Burn's own path,
 /// TF32 on the tensor cores).
@@ -25,13 +64,10 @@ pub fn compute_dtype(precision: Precision) -> Option<FloatDType> {
     }
 }
 
-/// `conv.forward(x)` with the arithmetic in `precision`, through [`ConvBackend`] (on
-/// CUDA, cuDNN where `train.convolution` allows); the result has `x`'s dtype.
-pub fn conv<B: ConvBackend>(
-    conv: &Conv2d<B>,
-    x: Tensor<B, 4>,
-    precision: Precision,
-) -> Tensor<B, 4> {
+/// `conv.forward(x)` on `x` in `c.layout`, with the arithmetic in `c.precision`,
+/// through [`ConvBackend`] (on CUDA, cuDNN where `train.convolution` allows); the
+/// result has `x`'s dtype in NCHW, the compute dtype channels-last.
+pub fn conv<B: ConvBackend>(conv: &Conv2d<B>, x: Tensor<B, 4>, c: Compute) -> Tensor<B, 4> {
     // kiln builds every convolution without bias and with symmetric explicit padding
     // (block::conv); anything else would need Burn's padding arithmetic, which is private.
     let PaddingConfig2d::Explicit(top, left, bottom, right) = conv.padding else {
@@ -39,11 +75,25 @@ pub fn conv<B: ConvBackend>(
     };
     debug_assert!(top == bottom && left == right && conv.bias.is_none());
     let options = ConvOptions::new(conv.stride, [top, left], conv.dilation, conv.groups);
-    let Some(low) = compute_dtype(precision) else {
-        return conv2d(x, conv.weight.val(), options);
+    // Burn keeps the weight as KCRS; channels-last convolutions take KRSC.
+    let laid_out = |w: Tensor<B, 4>| match c.layout {
+        Layout::Nchw => w,
+        Layout::Nhwc => w.permute([0, 2, 3, 1]),
+    };
+    let Some(low) = compute_dtype(c.precision) else {
+        return conv2d(x, laid_out(conv.weight.val()), options, c.layout);
     };
     let dtype = x.dtype();
-    conv2d(x.cast(low), conv.weight.val().cast(low), options).cast(dtype)
+    let y = conv2d(
+        x.cast(low),
+        laid_out(conv.weight.val().cast(low)),
+        options,
+        c.layout,
+    );
+    match c.layout {
+        Layout::Nchw => y.cast(dtype),
+        Layout::Nhwc => y,
+    }
 }
 
 /// `fc.forward(x)` with the matmul in `precision`; the bias is added in `x`'s dtype.
@@ -77,7 +127,7 @@ mod tests {
         let _rng = rng_lock();
         let c = block::conv::<TestBackend>(3, 4, 3, 2, &device());
         let x = input([2, 3, 9, 9]);
-        let ours = conv(&c, x.clone(), Precision::Fp32);
+        let ours = conv(&c, x.clone(), Compute::default());
         ours.into_data().assert_eq(&c.forward(x).into_data(), true);
     }
 
@@ -89,7 +139,7 @@ mod tests {
             let x = input([2, 3, 16, 16]);
             let reference = c.forward(x.clone());
             for p in [Precision::Bf16, Precision::Fp16] {
-                let y = conv(&c, x.clone(), p);
+                let y = conv(&c, x.clone(), Compute::new(p, false));
                 assert_eq!(y.dtype(), DType::F32);
                 assert_eq!(y.dims(), reference.dims());
                 // bf16 keeps 8 bits of mantissa: relative error about 2^-8 per product.
@@ -108,7 +158,10 @@ mod tests {
         let fc = LinearConfig::new(3, 4).init::<TestBackend>(&device());
         let x = input([2, 2, 6, 6]);
         let grads = |p: Precision| {
-            let y = conv(&c, x.clone(), p).mean_dim(2).mean_dim(3).flatten(1, 3);
+            let y = conv(&c, x.clone(), Compute::new(p, false))
+                .mean_dim(2)
+                .mean_dim(3)
+                .flatten(1, 3);
             let loss = dense(&fc, y, p).powi_scalar(2).mean();
             let g = loss.backward();
             let w = c.weight.grad(&g).unwrap();

@@ -11,8 +11,10 @@ use burn::tensor::backend::Backend;
 
 use super::block::{Basic, Block, Bottleneck, bn, conv};
 use super::flavors::{BlockKind, layout};
-use super::precision;
-use crate::config::{Arch, Precision, Stem};
+use super::precision::{self, Compute};
+use crate::config::{Arch, Stem};
+use crate::ops::Layout;
+use burn::tensor::FloatDType;
 
 /// Everything that fixes the network's parameter shapes. Two checkpoints are
 /// compatible exactly when their specs are equal.
@@ -89,7 +91,7 @@ impl ModelSpec {
             blocks,
             pool: AdaptiveAvgPool2dConfig::new([1, 1]).init(),
             fc: LinearConfig::new(cin, self.num_classes).init(device),
-            precision: Precision::Fp32,
+            compute: Compute::default(),
         })
     }
 }
@@ -102,37 +104,54 @@ pub struct ResNet<B: Backend> {
     blocks: Vec<Block<B>>,
     pool: AdaptiveAvgPool2d,
     fc: Linear<B>,
-    /// How convolutions and the classifier compute; not part of the weights, so a
-    /// checkpoint resumes under any precision.
+    /// How the network computes (number format, layout); not part of the weights, so
+    /// a checkpoint resumes under any.
     #[module(skip)]
-    precision: Precision,
+    compute: Compute,
 }
 
 impl<B: ModelBackend> ResNet<B> {
-    /// The same network computing its convolutions and classifier in `precision`
-    /// (`train.precision`; see `model::precision`).
-    pub fn with_precision(mut self, precision: Precision) -> Self {
-        self.precision = precision;
+    /// The same network computing as `compute` says (`train.precision`,
+    /// `train.channels_last`; see `model::precision`).
+    pub fn with_compute(mut self, compute: Compute) -> Self {
+        self.compute = compute;
         self
     }
 
     /// # Shapes
-    /// - `images`: `[batch, in_channels, H, W]`
-    /// - returns logits: `[batch, num_classes]`
+    /// - `images`: `[batch, in_channels, H, W]`, whatever the layout inside
+    /// - returns logits: `[batch, num_classes]`, fp32
     pub fn forward(&self, images: Tensor<B, 4>) -> Tensor<B, 2> {
-        let p = self.precision;
-        let mut x = relu(batch_norm(
-            &self.stem_bn,
-            precision::conv(&self.stem_conv, images, p),
-        ));
+        let c = self.compute;
+        let layout = c.layout;
+        let images = match (layout, c.activation_dtype()) {
+            (Layout::Nchw, _) => images,
+            (Layout::Nhwc, None) => images.permute([0, 2, 3, 1]),
+            (Layout::Nhwc, Some(low)) => images.cast(low).permute([0, 2, 3, 1]),
+        };
+        let stem = precision::conv(&self.stem_conv, images, c);
+        let mut x = relu(batch_norm(&self.stem_bn, stem, layout));
         if let Some(pool) = &self.stem_pool {
-            x = pool.forward(x);
+            // Burn's max pool takes NCHW: a view there and back.
+            x = match layout {
+                Layout::Nchw => pool.forward(x),
+                Layout::Nhwc => pool.forward(x.permute([0, 3, 1, 2])).permute([0, 2, 3, 1]),
+            };
         }
         for block in &self.blocks {
-            x = block.forward(x, p);
+            x = block.forward(x, c);
         }
-        let x = self.pool.forward(x); // [B, C, 1, 1]
-        precision::dense(&self.fc, x.flatten(1, 3), p) // [B, C] -> [B, classes]
+        let x = match layout {
+            Layout::Nchw => self.pool.forward(x).flatten(1, 3), // [B, C, 1, 1] -> [B, C]
+            Layout::Nhwc => {
+                let [n, _, _, channels] = x.dims();
+                x.cast(FloatDType::F32)
+                    .mean_dim(1)
+                    .mean_dim(2)
+                    .reshape([n, channels])
+            }
+        };
+        precision::dense(&self.fc, x, c.precision) // [B, C] -> [B, classes]
     }
 }
 
@@ -163,6 +182,73 @@ mod tests {
                 &dev,
             );
             assert_eq!(model.forward(x).dims(), [2, 7], "{arch:?}");
+        }
+    }
+
+    /// Channels-last computes the same network: the same logits, weight gradients and
+    /// inference outputs as NCHW in fp32 (both stems, both kinds of block), and close
+    /// ones in bf16.
+    #[test]
+    fn channels_last_computes_the_same_network() {
+        use crate::config::Precision;
+        use crate::test_util::max_diff;
+        use burn::module::AutodiffModule;
+        let _rng = rng_lock();
+        let dev = device();
+        // A freshly initialised ResNet-50 is badly conditioned: an input changed by one
+        // part in a million moves its stem's weight gradient by about 3% and its logits
+        // in bf16 by most of their size (measured on the CPU), so its stem gradient gets
+        // a loose bound (a misplaced axis is off by its whole size) and its bf16 pass is
+        // not compared. 64 px leaves BatchNorm 8 values per channel in the last stage.
+        for (arch, stem, side, stem_tol, bf16_tol) in [
+            (Arch::Resnet20, Stem::Small, 8, 1e-3, Some(0.1)),
+            (Arch::Resnet50, Stem::Imagenet, 64, 0.2, None),
+        ] {
+            let spec = ModelSpec::new(arch, stem, 3, 5, side);
+            let model = spec.init::<TestBackend>(&dev);
+            let x = Tensor::random([4, 3, side, side], Distribution::Normal(0.0, 1.0), &dev);
+            let computes = [
+                Compute::new(Precision::Fp32, false),
+                Compute::new(Precision::Fp32, true),
+                Compute::new(Precision::Bf16, true),
+            ];
+            // Inference first: training passes move the running statistics, which
+            // clones share.
+            let [e, e2, e3] = computes.map(|c| {
+                let m = model.valid().with_compute(c);
+                m.forward(x.clone().inner())
+                    .into_data()
+                    .to_vec::<f32>()
+                    .unwrap()
+            });
+            let [[y, w, f], [y2, w2, f2], [y3, _, _]] = computes.map(|c| {
+                let m = model.clone().with_compute(c);
+                let logits = m.forward(x.clone());
+                let grads = logits.clone().powi_scalar(2).mean().backward();
+                let w = m.stem_conv.weight.grad(&grads).unwrap();
+                let f = m.fc.weight.grad(&grads).unwrap();
+                [
+                    logits.into_data().to_vec::<f32>().unwrap(),
+                    w.into_data().to_vec::<f32>().unwrap(),
+                    f.into_data().to_vec::<f32>().unwrap(),
+                ]
+            });
+            // Relative to the reference's largest value.
+            let rel = |a: &[f32], b: &[f32]| {
+                max_diff(a, b) / b.iter().fold(1e-6f32, |m, v| m.max(v.abs()))
+            };
+            assert!(rel(&y2, &y) < 1e-3, "{arch:?}: logits {y:?} vs {y2:?}");
+            assert!(rel(&e2, &e) < 1e-3, "{arch:?}: inference");
+            assert!(rel(&f2, &f) < 1e-3, "{arch:?}: classifier weight gradient");
+            let stem = rel(&w2, &w);
+            assert!(
+                stem < stem_tol,
+                "{arch:?}: stem weight gradient off by {stem}"
+            );
+            if let Some(tol) = bf16_tol {
+                assert!(rel(&y3, &y) < tol, "{arch:?}: bf16 {y:?} vs {y3:?}");
+                assert!(rel(&e3, &e) < tol, "{arch:?}: bf16 inference");
+            }
         }
     }
 

@@ -13,15 +13,19 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::{ConvOptions, FloatTensor};
 use burn::tensor::{Tensor, TensorPrimitive};
 
+use super::{Layout, Part};
+
 /// A 2-D convolution without bias (kiln's convolutions have none: BatchNorm follows
-/// each) and its two gradients. The defaults are Burn's own kernels.
+/// each) and its two gradients, with every tensor in `layout`. The defaults are Burn's
+/// own kernels ([`burn_conv2d`]).
 pub trait ConvBackend: Backend {
     fn conv2d_nobias(
         x: FloatTensor<Self>,
         weight: FloatTensor<Self>,
         options: ConvOptions<2>,
+        layout: Layout,
     ) -> FloatTensor<Self> {
-        Self::conv2d(x, weight, None, options)
+        burn_conv2d::<Self>(Part::Forward, x, weight, None, options, layout)
     }
 
     /// The gradient with respect to the input, given the output's gradient.
@@ -30,8 +34,9 @@ pub trait ConvBackend: Backend {
         weight: FloatTensor<Self>,
         output_grad: FloatTensor<Self>,
         options: ConvOptions<2>,
+        layout: Layout,
     ) -> FloatTensor<Self> {
-        Self::conv2d_x_backward(x, weight, output_grad, options)
+        burn_conv2d::<Self>(Part::GradX, x, weight, Some(output_grad), options, layout)
     }
 
     /// The gradient with respect to the weight, given the output's gradient.
@@ -40,23 +45,49 @@ pub trait ConvBackend: Backend {
         weight: FloatTensor<Self>,
         output_grad: FloatTensor<Self>,
         options: ConvOptions<2>,
+        layout: Layout,
     ) -> FloatTensor<Self> {
-        Self::conv2d_weight_backward(x, weight, output_grad, options)
+        let grad = Some(output_grad);
+        burn_conv2d::<Self>(Part::GradWeight, x, weight, grad, options, layout)
     }
 }
 
 impl ConvBackend for Flex {}
 
-/// `conv2d(x, weight)` on tensors, through [`ConvBackend`].
+/// One part of the convolution on Burn's kernels, which take NCHW: channels-last
+/// tensors go in and come out as permuted views (`grad` is the output's gradient, for
+/// the two backward parts).
+pub(crate) fn burn_conv2d<B: Backend>(
+    part: Part,
+    x: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    grad: Option<FloatTensor<B>>,
+    options: ConvOptions<2>,
+    layout: Layout,
+) -> FloatTensor<B> {
+    let (x, weight) = (layout.nchw_view::<B>(x), layout.nchw_view::<B>(weight));
+    let grad = grad.map(|g| layout.nchw_view::<B>(g));
+    let out = match (part, grad) {
+        (Part::Forward, _) => B::conv2d(x, weight, None, options),
+        (Part::GradX, Some(g)) => B::conv2d_x_backward(x, weight, g, options),
+        (Part::GradWeight, Some(g)) => B::conv2d_weight_backward(x, weight, g, options),
+        (_, None) => unreachable!("a convolution's gradient needs the output's gradient"),
+    };
+    layout.laid_out_view::<B>(out)
+}
+
+/// `conv2d(x, weight)` on tensors in `layout`, through [`ConvBackend`].
 pub fn conv2d<B: ConvBackend>(
     x: Tensor<B, 4>,
     weight: Tensor<B, 4>,
     options: ConvOptions<2>,
+    layout: Layout,
 ) -> Tensor<B, 4> {
     Tensor::from_primitive(TensorPrimitive::Float(B::conv2d_nobias(
         x.into_primitive().tensor(),
         weight.into_primitive().tensor(),
         options,
+        layout,
     )))
 }
 
@@ -67,12 +98,13 @@ impl<B: ConvBackend, C: CheckpointStrategy> ConvBackend for Autodiff<B, C> {
         x: FloatTensor<Self>,
         weight: FloatTensor<Self>,
         options: ConvOptions<2>,
+        layout: Layout,
     ) -> FloatTensor<Self> {
         #[derive(Debug)]
         struct Conv2d;
 
         impl<B: ConvBackend> Backward<B, 2> for Conv2d {
-            type State = (NodeId, NodeId, ConvOptions<2>);
+            type State = (NodeId, NodeId, ConvOptions<2>, Layout);
 
             fn backward(
                 self,
@@ -82,16 +114,17 @@ impl<B: ConvBackend, C: CheckpointStrategy> ConvBackend for Autodiff<B, C> {
             ) {
                 let [node_x, node_weight] = ops.parents;
                 let grad = grads.consume::<B>(&ops.node);
-                let (x_state, weight_state, options) = ops.state;
+                let (x_state, weight_state, options, layout) = ops.state;
                 let x = checkpointer.retrieve_node_output::<FloatTensor<B>>(x_state);
                 let weight = checkpointer.retrieve_node_output::<FloatTensor<B>>(weight_state);
                 if let Some(node) = node_x {
-                    let dx =
-                        B::conv2d_grad_x(x.clone(), weight.clone(), grad.clone(), options.clone());
+                    let (x, w, g) = (x.clone(), weight.clone(), grad.clone());
+                    let dx = B::conv2d_grad_x(x, w, g, options.clone(), layout);
                     grads.register::<B>(node.id, dx);
                 }
                 if let Some(node) = node_weight {
-                    grads.register::<B>(node.id, B::conv2d_grad_weight(x, weight, grad, options));
+                    let dw = B::conv2d_grad_weight(x, weight, grad, options, layout);
+                    grads.register::<B>(node.id, dw);
                 }
             }
         }
@@ -104,12 +137,15 @@ impl<B: ConvBackend, C: CheckpointStrategy> ConvBackend for Autodiff<B, C> {
             OpsKind::Tracked(mut prep) => {
                 let x_state = prep.checkpoint(&x);
                 let weight_state = prep.checkpoint(&weight);
-                let y = B::conv2d_nobias(x.primitive, weight.primitive, options.clone());
-                prep.finish((x_state, weight_state, options), y)
+                let y = B::conv2d_nobias(x.primitive, weight.primitive, options.clone(), layout);
+                prep.finish((x_state, weight_state, options, layout), y)
             }
-            OpsKind::UnTracked(prep) => {
-                prep.finish(B::conv2d_nobias(x.primitive, weight.primitive, options))
-            }
+            OpsKind::UnTracked(prep) => prep.finish(B::conv2d_nobias(
+                x.primitive,
+                weight.primitive,
+                options,
+                layout,
+            )),
         }
     }
 }
@@ -126,22 +162,33 @@ mod tests {
         t.into_data().to_vec().unwrap()
     }
 
-    /// The same convolution through Burn's autodiff and through ours: same output,
-    /// same gradients for input and weight, for a stride-1 and two strided cases.
+    /// The same convolution through Burn's autodiff and through ours, in both layouts:
+    /// same output, same gradients for input and weight, for a stride-1 and two
+    /// strided cases.
     fn agrees_with_burn<B: ConvBackend + AutodiffBackend>() {
         let _rng = rng_lock();
         let dev = Default::default();
-        for (stride, padding, size) in [(1, 1, 6), (2, 1, 7), (2, 0, 8)] {
+        let cases = [(1, 1, 6), (2, 1, 7), (2, 0, 8)];
+        for ((stride, padding, size), layout) in cases
+            .into_iter()
+            .flat_map(|c| [(c, Layout::Nchw), (c, Layout::Nhwc)])
+        {
             let normal = Distribution::Normal(0.0, 1.0);
             let x = Tensor::<B, 4>::random([2, 3, size, size], normal, &dev);
             let w = Tensor::<B, 4>::random([4, 3, 3, 3], normal, &dev);
             let options = ConvOptions::new([stride, stride], [padding, padding], [1, 1], 1);
             let run = |ours: bool| {
                 let (x, w) = (x.clone().require_grad(), w.clone().require_grad());
-                let y = if ours {
-                    conv2d(x.clone(), w.clone(), options.clone())
-                } else {
-                    module::conv2d(x.clone(), w.clone(), None, options.clone())
+                let y = match (ours, layout) {
+                    (true, Layout::Nchw) => conv2d(x.clone(), w.clone(), options.clone(), layout),
+                    // Channels-last views in, an NCHW view of the output back out; the
+                    // gradients reach the NCHW leaves through the permutations.
+                    (true, Layout::Nhwc) => {
+                        let nhwc = |t: Tensor<B, 4>| t.permute([0, 2, 3, 1]);
+                        conv2d(nhwc(x.clone()), nhwc(w.clone()), options.clone(), layout)
+                            .permute([0, 3, 1, 2])
+                    }
+                    (false, _) => module::conv2d(x.clone(), w.clone(), None, options.clone()),
                 };
                 // A loss that weighs every output differently, so a transposed or
                 // misplaced gradient cannot pass.
@@ -158,14 +205,15 @@ mod tests {
             };
             let (y1, dx1, dw1) = run(true);
             let (y2, dx2, dw2) = run(false);
-            assert!(max_diff(&y1, &y2) < 1e-4, "stride {stride}: outputs differ");
+            let case = format!("{layout:?} stride {stride}");
+            assert!(max_diff(&y1, &y2) < 1e-4, "{case}: outputs differ");
             assert!(
                 max_diff(&dx1, &dx2) < 1e-2,
-                "stride {stride}: input gradients differ"
+                "{case}: input gradients differ"
             );
             assert!(
                 max_diff(&dw1, &dw2) < 1e-2,
-                "stride {stride}: weight gradients differ"
+                "{case}: weight gradients differ"
             );
             assert!(
                 dw1.iter().any(|v| v.abs() > 1.0),

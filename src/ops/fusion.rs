@@ -13,13 +13,14 @@ use burn_ir::{
     CustomOpIr, HandleContainer, InitOperationIr, OperationIr, OperationOutput, TensorIr,
 };
 
-use super::{ConvBackend, NormBackend, Part, UploadBackend, conv2d_output_dims};
+use super::{ConvBackend, Layout, NormBackend, Part, UploadBackend, conv2d_output_dims};
 
 #[derive(Debug)]
 struct ConvOp<B> {
     desc: CustomOpIr,
     part: Part,
     options: ConvOptions<2>,
+    layout: Layout,
     _backend: PhantomData<B>,
 }
 
@@ -28,13 +29,13 @@ impl<B: FusionBackend + ConvBackend> Operation<B::FusionRuntime> for ConvOp<B> {
         &self,
         handles: &mut HandleContainer<<B::FusionRuntime as FusionRuntime>::FusionHandle>,
     ) {
-        let options = self.options.clone();
+        let (options, layout) = (self.options.clone(), self.layout);
         let (inputs, out) = (&self.desc.inputs, &self.desc.outputs[0]);
         let mut get = |i: usize| handles.get_float_tensor::<B>(&inputs[i]);
         let result = match self.part {
-            Part::Forward => B::conv2d_nobias(get(0), get(1), options),
-            Part::GradX => B::conv2d_grad_x(get(0), get(1), get(2), options),
-            Part::GradWeight => B::conv2d_grad_weight(get(0), get(1), get(2), options),
+            Part::Forward => B::conv2d_nobias(get(0), get(1), options, layout),
+            Part::GradX => B::conv2d_grad_x(get(0), get(1), get(2), options, layout),
+            Part::GradWeight => B::conv2d_grad_weight(get(0), get(1), get(2), options, layout),
         };
         handles.register_float_tensor::<B>(&out.id, result);
     }
@@ -65,12 +66,14 @@ fn register_conv<B: FusionBackend + ConvBackend>(
     inputs: Vec<FusionTensor<B::FusionRuntime>>,
     out_shape: Shape,
     options: ConvOptions<2>,
+    layout: Layout,
 ) -> FusionTensor<B::FusionRuntime> {
     let dtype = inputs[0].dtype;
     register::<B, _>(name, inputs, vec![(out_shape, dtype)], |desc| ConvOp::<B> {
         desc,
         part,
         options,
+        layout,
         _backend: PhantomData,
     })
     .output()
@@ -81,12 +84,14 @@ impl<B: FusionBackend + ConvBackend> ConvBackend for Fusion<B> {
         x: FloatTensor<Self>,
         weight: FloatTensor<Self>,
         options: ConvOptions<2>,
+        layout: Layout,
     ) -> FloatTensor<Self> {
         let dims = |s: &Shape| [s[0], s[1], s[2], s[3]];
         let shape = Shape::new(conv2d_output_dims(
             dims(&x.shape),
             dims(&weight.shape),
             &options,
+            layout,
         ));
         register_conv::<B>(
             Part::Forward,
@@ -94,6 +99,7 @@ impl<B: FusionBackend + ConvBackend> ConvBackend for Fusion<B> {
             vec![x, weight],
             shape,
             options,
+            layout,
         )
     }
 
@@ -102,6 +108,7 @@ impl<B: FusionBackend + ConvBackend> ConvBackend for Fusion<B> {
         weight: FloatTensor<Self>,
         output_grad: FloatTensor<Self>,
         options: ConvOptions<2>,
+        layout: Layout,
     ) -> FloatTensor<Self> {
         let shape = x.shape.clone();
         register_conv::<B>(
@@ -110,6 +117,7 @@ impl<B: FusionBackend + ConvBackend> ConvBackend for Fusion<B> {
             vec![x, weight, output_grad],
             shape,
             options,
+            layout,
         )
     }
 
@@ -118,6 +126,7 @@ impl<B: FusionBackend + ConvBackend> ConvBackend for Fusion<B> {
         weight: FloatTensor<Self>,
         output_grad: FloatTensor<Self>,
         options: ConvOptions<2>,
+        layout: Layout,
     ) -> FloatTensor<Self> {
         let shape = weight.shape.clone();
         let inputs = vec![x, weight, output_grad];
@@ -127,6 +136,7 @@ impl<B: FusionBackend + ConvBackend> ConvBackend for Fusion<B> {
             inputs,
             shape,
             options,
+            layout,
         )
     }
 }
@@ -142,6 +152,7 @@ struct NormOp<B> {
     desc: CustomOpIr,
     part: NormPart,
     epsilon: f64,
+    layout: Layout,
     _backend: PhantomData<B>,
 }
 
@@ -152,10 +163,11 @@ impl<B: FusionBackend + NormBackend> Operation<B::FusionRuntime> for NormOp<B> {
     ) {
         let inputs = &self.desc.inputs;
         let mut get = |i: usize| handles.get_float_tensor::<B>(&inputs[i]);
+        let (epsilon, layout) = (self.epsilon, self.layout);
         let results = match self.part {
-            NormPart::Train => B::batch_norm_train(get(0), get(1), get(2), self.epsilon),
+            NormPart::Train => B::batch_norm_train(get(0), get(1), get(2), epsilon, layout),
             NormPart::Grad => {
-                B::batch_norm_grad(get(0), get(1), get(2), get(3), get(4), self.epsilon)
+                B::batch_norm_grad(get(0), get(1), get(2), get(3), get(4), epsilon, layout)
             }
         };
         for (out, result) in self.desc.outputs.iter().zip(results) {
@@ -170,11 +182,13 @@ fn register_norm<B: FusionBackend + NormBackend>(
     inputs: Vec<FusionTensor<B::FusionRuntime>>,
     outputs: Vec<(Shape, DType)>,
     epsilon: f64,
+    layout: Layout,
 ) -> [FusionTensor<B::FusionRuntime>; 3] {
     register::<B, _>(name, inputs, outputs, |desc| NormOp::<B> {
         desc,
         part,
         epsilon,
+        layout,
         _backend: PhantomData,
     })
     .outputs()
@@ -186,12 +200,14 @@ impl<B: FusionBackend + NormBackend> NormBackend for Fusion<B> {
         gamma: FloatTensor<Self>,
         beta: FloatTensor<Self>,
         epsilon: f64,
+        layout: Layout,
     ) -> [FloatTensor<Self>; 3] {
         let y = (x.shape.clone(), x.dtype);
         let stat = (gamma.shape.clone(), gamma.dtype);
         let outputs = vec![y, stat.clone(), stat];
         let inputs = vec![x, gamma, beta];
-        register_norm::<B>(NormPart::Train, "kiln_batch_norm", inputs, outputs, epsilon)
+        let part = NormPart::Train;
+        register_norm::<B>(part, "kiln_batch_norm", inputs, outputs, epsilon, layout)
     }
 
     fn batch_norm_grad(
@@ -201,17 +217,20 @@ impl<B: FusionBackend + NormBackend> NormBackend for Fusion<B> {
         inv_std: FloatTensor<Self>,
         dy: FloatTensor<Self>,
         epsilon: f64,
+        layout: Layout,
     ) -> [FloatTensor<Self>; 3] {
         let dx = (x.shape.clone(), x.dtype);
         let param = (gamma.shape.clone(), gamma.dtype);
         let outputs = vec![dx, param.clone(), param];
         let inputs = vec![x, gamma, mean, inv_std, dy];
+        let part = NormPart::Grad;
         register_norm::<B>(
-            NormPart::Grad,
+            part,
             "kiln_batch_norm_grad",
             inputs,
             outputs,
             epsilon,
+            layout,
         )
     }
 }

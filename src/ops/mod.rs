@@ -26,13 +26,75 @@ pub trait ModelBackend: ConvBackend + NormBackend + UploadBackend {}
 
 impl<B: ConvBackend + NormBackend + UploadBackend> ModelBackend for B {}
 
-/// The output shape (NKPQ) of a convolution of `x` (NCHW) by `weight` (KCRS).
+/// The order of a 4-D activation tensor's axes, and of a convolution weight's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Layout {
+    /// Burn's own: activations `[N, C, H, W]`, weights `[K, C, R, S]`.
+    #[default]
+    Nchw,
+    /// Channels last (`train.channels_last`): activations `[N, H, W, C]`, weights
+    /// `[K, R, S, C]`, the layout tensor cores read without a transposition.
+    Nhwc,
+}
+
+impl Layout {
+    /// The axis that holds the channels.
+    pub fn channel_axis(self) -> usize {
+        match self {
+            Layout::Nchw => 1,
+            Layout::Nhwc => 3,
+        }
+    }
+
+    /// Dimensions given in this layout, in NCHW (KCRS) order.
+    pub fn nchw_dims(self, d: [usize; 4]) -> [usize; 4] {
+        match self {
+            Layout::Nchw => d,
+            Layout::Nhwc => [d[0], d[3], d[1], d[2]],
+        }
+    }
+
+    /// Dimensions given in NCHW (KCRS) order, in this layout.
+    pub fn laid_out_dims(self, d: [usize; 4]) -> [usize; 4] {
+        match self {
+            Layout::Nchw => d,
+            Layout::Nhwc => [d[0], d[2], d[3], d[1]],
+        }
+    }
+
+    /// A tensor in this layout as an NCHW view (no copy).
+    pub fn nchw_view<B: burn::tensor::backend::Backend>(
+        self,
+        t: burn::tensor::ops::FloatTensor<B>,
+    ) -> burn::tensor::ops::FloatTensor<B> {
+        match self {
+            Layout::Nchw => t,
+            Layout::Nhwc => B::float_permute(t, &[0, 3, 1, 2]),
+        }
+    }
+
+    /// An NCHW tensor as a view in this layout (no copy).
+    pub fn laid_out_view<B: burn::tensor::backend::Backend>(
+        self,
+        t: burn::tensor::ops::FloatTensor<B>,
+    ) -> burn::tensor::ops::FloatTensor<B> {
+        match self {
+            Layout::Nchw => t,
+            Layout::Nhwc => B::float_permute(t, &[0, 2, 3, 1]),
+        }
+    }
+}
+
+/// The output shape of a convolution of `x` by `weight`, all three in `layout`
+/// (NCHW: input NCHW, weight KCRS, output NKPQ).
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) fn conv2d_output_dims(
     x: [usize; 4],
     weight: [usize; 4],
     options: &burn::tensor::ops::ConvOptions<2>,
+    layout: Layout,
 ) -> [usize; 4] {
+    let (x, weight) = (layout.nchw_dims(x), layout.nchw_dims(weight));
     let out = |d: usize| {
         burn::tensor::ops::conv::calculate_conv_output_size(
             weight[2 + d],
@@ -42,16 +104,17 @@ pub(crate) fn conv2d_output_dims(
             x[2 + d],
         )
     };
-    [x[0], weight[0], out(0), out(1)]
+    layout.laid_out_dims([x[0], weight[0], out(0), out(1)])
 }
 
 /// Which convolutions run on cuDNN on CUDA; the others run on Burn's kernels.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CudnnRoute {
     None,
-    /// f32 only. On an H200, cuDNN's bfloat16 and float16 convolutions on kiln's NCHW
-    /// tensors measured slower than Burn's own (BENCHMARKS.md, "cuDNN convolutions").
-    Fp32,
+    /// f32 in either layout, and every dtype channels-last. On an H200, cuDNN's
+    /// bfloat16 and float16 convolutions on NCHW tensors measured slower than Burn's own
+    /// (BENCHMARKS.md, "cuDNN convolutions").
+    Auto,
     /// f32, bfloat16 and float16.
     All,
 }

@@ -19,22 +19,26 @@ use burn::backend::flex::Flex;
 use burn::nn::BatchNorm;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{Tensor, TensorPrimitive};
+use burn::tensor::{DType, FloatDType, Tensor, TensorPrimitive};
 
-/// BatchNorm with batch statistics over N, H and W of an NCHW tensor, and its
-/// gradients. The defaults are Burn's tensor operations ([`train_reference`],
-/// [`grad_reference`]).
+use super::Layout;
+
+/// BatchNorm with batch statistics over N, H and W of a tensor in `layout`, and its
+/// gradients. `x` (and `dy`) may be fp32, bf16 or fp16 (channels-last mixed
+/// precision); `gamma`, `beta` and the statistics are fp32, and so is the arithmetic.
+/// The defaults are Burn's tensor operations ([`train_reference`], [`grad_reference`]).
 pub trait NormBackend: Backend {
     /// `x` normalised per channel with its batch mean and biased variance, scaled by
-    /// `gamma` and shifted by `beta` (both `[C]`). Returns the output, the batch mean
-    /// and `1 / sqrt(variance + epsilon)` (both `[C]`).
+    /// `gamma` and shifted by `beta` (both `[C]`). Returns the output (`x`'s dtype), the
+    /// batch mean and `1 / sqrt(variance + epsilon)` (both `[C]`).
     fn batch_norm_train(
         x: FloatTensor<Self>,
         gamma: FloatTensor<Self>,
         beta: FloatTensor<Self>,
         epsilon: f64,
+        layout: Layout,
     ) -> [FloatTensor<Self>; 3] {
-        train_reference::<Self>(x, gamma, beta, epsilon)
+        train_reference::<Self>(x, gamma, beta, epsilon, layout)
     }
 
     /// The gradients for `x`, `gamma` and `beta` given the output's gradient `dy`
@@ -46,9 +50,10 @@ pub trait NormBackend: Backend {
         inv_std: FloatTensor<Self>,
         dy: FloatTensor<Self>,
         epsilon: f64,
+        layout: Layout,
     ) -> [FloatTensor<Self>; 3] {
         let _ = epsilon;
-        grad_reference::<Self>(x, gamma, mean, inv_std, dy)
+        grad_reference::<Self>(x, gamma, mean, inv_std, dy, layout)
     }
 }
 
@@ -62,77 +67,118 @@ fn primitive<B: Backend, const D: usize>(t: Tensor<B, D>) -> FloatTensor<B> {
     t.into_primitive().tensor()
 }
 
-/// The per-channel sum of an NCHW tensor, `[C]`.
-fn channel_sum<B: Backend>(t: Tensor<B, 4>) -> Tensor<B, 1> {
-    let [n, c, h, w] = t.dims();
-    t.swap_dims(0, 1)
-        .reshape([c, n * h * w])
-        .sum_dim(1)
-        .reshape([c])
+/// The per-channel sum of a tensor in `layout`, `[C]`.
+fn channel_sum<B: Backend>(t: Tensor<B, 4>, layout: Layout) -> Tensor<B, 1> {
+    match layout {
+        Layout::Nchw => {
+            let [n, c, h, w] = t.dims();
+            t.swap_dims(0, 1)
+                .reshape([c, n * h * w])
+                .sum_dim(1)
+                .reshape([c])
+        }
+        Layout::Nhwc => {
+            let [n, h, w, c] = t.dims();
+            t.reshape([n * h * w, c]).sum_dim(0).reshape([c])
+        }
+    }
 }
 
-/// `[C]` as `[1, C, 1, 1]`, to broadcast over an NCHW tensor.
-fn per_channel<B: Backend>(t: Tensor<B, 1>) -> Tensor<B, 4> {
+/// `[C]` shaped to broadcast over a tensor in `layout`.
+fn per_channel<B: Backend>(t: Tensor<B, 1>, layout: Layout) -> Tensor<B, 4> {
     let c = t.dims()[0];
-    t.reshape([1, c, 1, 1])
+    match layout {
+        Layout::Nchw => t.reshape([1, c, 1, 1]),
+        Layout::Nhwc => t.reshape([1, 1, 1, c]),
+    }
+}
+
+/// How many values each channel's statistics are taken over.
+fn per_channel_count(dims: [usize; 4], layout: Layout) -> f64 {
+    (dims.iter().product::<usize>() / dims[layout.channel_axis()]) as f64
 }
 
 /// [`NormBackend::batch_norm_train`] in Burn's tensor operations, the arithmetic of
-/// Burn's `BatchNorm`.
+/// Burn's `BatchNorm`, in f32.
 pub(crate) fn train_reference<B: Backend>(
     x: FloatTensor<B>,
     gamma: FloatTensor<B>,
     beta: FloatTensor<B>,
     epsilon: f64,
+    layout: Layout,
 ) -> [FloatTensor<B>; 3] {
     let x = tensor::<B, 4>(x);
-    let [n, _, h, w] = x.dims();
-    let count = (n * h * w) as f64;
-    let mean = channel_sum(x.clone()).div_scalar(count);
-    let centered = x - per_channel(mean.clone());
-    let var = channel_sum(centered.clone().square()).div_scalar(count);
+    let dtype = x.dtype();
+    let x = x.cast(FloatDType::F32);
+    let count = per_channel_count(x.dims(), layout);
+    let mean = channel_sum(x.clone(), layout).div_scalar(count);
+    let centered = x - per_channel(mean.clone(), layout);
+    let var = channel_sum(centered.clone().square(), layout).div_scalar(count);
     let inv_std = var.add_scalar(epsilon).sqrt().recip();
     let scale = inv_std.clone() * tensor::<B, 1>(gamma);
-    let y = centered * per_channel(scale) + per_channel(tensor::<B, 1>(beta));
-    [primitive(y), primitive(mean), primitive(inv_std)]
+    let y = centered * per_channel(scale, layout) + per_channel(tensor::<B, 1>(beta), layout);
+    [
+        primitive(y.cast(dtype)),
+        primitive(mean),
+        primitive(inv_std),
+    ]
 }
 
-/// [`NormBackend::batch_norm_grad`] in Burn's tensor operations.
+/// [`NormBackend::batch_norm_grad`] in Burn's tensor operations, in f32.
 pub(crate) fn grad_reference<B: Backend>(
     x: FloatTensor<B>,
     gamma: FloatTensor<B>,
     mean: FloatTensor<B>,
     inv_std: FloatTensor<B>,
     dy: FloatTensor<B>,
+    layout: Layout,
 ) -> [FloatTensor<B>; 3] {
-    let (x, dy) = (tensor::<B, 4>(x), tensor::<B, 4>(dy));
+    let x = tensor::<B, 4>(x);
+    let dtype = x.dtype();
+    let (x, dy) = (
+        x.cast(FloatDType::F32),
+        tensor::<B, 4>(dy).cast(FloatDType::F32),
+    );
     let inv_std = tensor::<B, 1>(inv_std);
-    let [n, _, h, w] = x.dims();
-    let count = (n * h * w) as f64;
-    let x_hat = (x - per_channel(tensor::<B, 1>(mean))) * per_channel(inv_std.clone());
-    let dbeta = channel_sum(dy.clone());
-    let dgamma = channel_sum(dy.clone() * x_hat.clone());
-    let dx = (dy
-        - per_channel(dbeta.clone().div_scalar(count))
-        - x_hat * per_channel(dgamma.clone().div_scalar(count)))
-        * per_channel(tensor::<B, 1>(gamma) * inv_std);
-    [primitive(dx), primitive(dgamma), primitive(dbeta)]
+    let count = per_channel_count(x.dims(), layout);
+    let c = |t: Tensor<B, 1>| per_channel(t, layout);
+    let x_hat = (x - c(tensor::<B, 1>(mean))) * c(inv_std.clone());
+    let dbeta = channel_sum(dy.clone(), layout);
+    let dgamma = channel_sum(dy.clone() * x_hat.clone(), layout);
+    let dx =
+        (dy - c(dbeta.clone().div_scalar(count)) - x_hat * c(dgamma.clone().div_scalar(count)))
+            * c(tensor::<B, 1>(gamma) * inv_std);
+    [
+        primitive(dx.cast(dtype)),
+        primitive(dgamma),
+        primitive(dbeta),
+    ]
 }
 
-/// `bn.forward(x)` with the training pass through [`NormBackend`]: the same
-/// arithmetic and running-statistics update as Burn's module (biased variance,
-/// `momentum`), so checkpoints and evaluation do not change. Inference (a backend
-/// without autodiff) is Burn's own element-wise pass.
-pub fn batch_norm<B: NormBackend>(bn: &BatchNorm<B>, x: Tensor<B, 4>) -> Tensor<B, 4> {
+/// `bn.forward(x)` on `x` in `layout`, with the training pass through
+/// [`NormBackend`]: the same arithmetic and running-statistics update as Burn's module
+/// (biased variance, `momentum`), so checkpoints and evaluation do not change.
+/// Inference (a backend without autodiff) is Burn's own element-wise pass, or the same
+/// arithmetic written out here for channels-last and low-precision inputs, which
+/// Burn's module does not take.
+pub fn batch_norm<B: NormBackend>(
+    bn: &BatchNorm<B>,
+    x: Tensor<B, 4>,
+    layout: Layout,
+) -> Tensor<B, 4> {
     let device = x.device();
     if !B::ad_enabled(&device) {
-        return bn.forward(x);
+        if layout == Layout::Nchw && x.dtype() == DType::F32 {
+            return bn.forward(x);
+        }
+        return inference(bn, x, layout);
     }
     let [y, mean, inv_std] = B::batch_norm_train(
         primitive(x),
         primitive(bn.gamma.val()),
         primitive(bn.beta.val()),
         bn.epsilon,
+        layout,
     );
     let mean = tensor::<B, 1>(mean).detach();
     let var = tensor::<B, 1>(inv_std)
@@ -154,6 +200,23 @@ pub fn batch_norm<B: NormBackend>(bn: &BatchNorm<B>, x: Tensor<B, 4>) -> Tensor<
     tensor(y)
 }
 
+/// BatchNorm with the running statistics, in f32, the result in `x`'s dtype.
+fn inference<B: Backend>(bn: &BatchNorm<B>, x: Tensor<B, 4>, layout: Layout) -> Tensor<B, 4> {
+    let dtype = x.dtype();
+    let device = x.device();
+    let inv_std = bn
+        .running_var
+        .value()
+        .to_device(&device)
+        .add_scalar(bn.epsilon)
+        .sqrt()
+        .recip();
+    let scale = bn.gamma.val() * inv_std;
+    let shift = bn.beta.val() - bn.running_mean.value().to_device(&device) * scale.clone();
+    let y = x.cast(FloatDType::F32) * per_channel(scale, layout) + per_channel(shift, layout);
+    y.cast(dtype)
+}
+
 /// The training pass as one node of the autodiff graph, its gradients through the
 /// inner backend's [`NormBackend`]. Memory-bound: under `train.gradient_checkpointing`
 /// the output is recomputed in the backward pass rather than kept, as Burn's
@@ -164,6 +227,7 @@ impl<B: NormBackend, C: CheckpointStrategy> NormBackend for Autodiff<B, C> {
         gamma: FloatTensor<Self>,
         beta: FloatTensor<Self>,
         epsilon: f64,
+        layout: Layout,
     ) -> [FloatTensor<Self>; 3] {
         #[derive(Debug)]
         struct Norm;
@@ -172,6 +236,7 @@ impl<B: NormBackend, C: CheckpointStrategy> NormBackend for Autodiff<B, C> {
         struct Retro<B> {
             parents: [NodeId; 3],
             epsilon: f64,
+            layout: Layout,
             _backend: PhantomData<B>,
         }
 
@@ -180,14 +245,15 @@ impl<B: NormBackend, C: CheckpointStrategy> NormBackend for Autodiff<B, C> {
                 let [x, gamma, beta] = self
                     .parents
                     .map(|id| states.get_state::<FloatTensor<B>>(&id));
-                let [y, _, _] = B::batch_norm_train(x, gamma, beta, self.epsilon);
+                let [y, _, _] = B::batch_norm_train(x, gamma, beta, self.epsilon, self.layout);
                 states.save(out_node, y)
             }
         }
 
         impl<B: NormBackend> Backward<B, 3> for Norm {
-            /// Input and gamma (checkpointed), batch mean, inverse deviation, epsilon.
-            type State = (NodeId, NodeId, FloatTensor<B>, FloatTensor<B>, f64);
+            /// Input and gamma (checkpointed), batch mean, inverse deviation, epsilon,
+            /// layout.
+            type State = (NodeId, NodeId, FloatTensor<B>, FloatTensor<B>, f64, Layout);
 
             fn backward(
                 self,
@@ -197,10 +263,11 @@ impl<B: NormBackend, C: CheckpointStrategy> NormBackend for Autodiff<B, C> {
             ) {
                 let [node_x, node_gamma, node_beta] = ops.parents;
                 let dy = grads.consume::<B>(&ops.node);
-                let (x_state, gamma_state, mean, inv_std, epsilon) = ops.state;
+                let (x_state, gamma_state, mean, inv_std, epsilon, layout) = ops.state;
                 let x = checkpointer.retrieve_node_output::<FloatTensor<B>>(x_state);
                 let gamma = checkpointer.retrieve_node_output::<FloatTensor<B>>(gamma_state);
-                let [dx, dgamma, dbeta] = B::batch_norm_grad(x, gamma, mean, inv_std, dy, epsilon);
+                let [dx, dgamma, dbeta] =
+                    B::batch_norm_grad(x, gamma, mean, inv_std, dy, epsilon, layout);
                 for (node, grad) in [(node_x, dx), (node_gamma, dgamma), (node_beta, dbeta)] {
                     if let Some(node) = node {
                         grads.register::<B>(node.id, grad);
@@ -212,6 +279,7 @@ impl<B: NormBackend, C: CheckpointStrategy> NormBackend for Autodiff<B, C> {
         let retro = Retro::<B> {
             parents: [x.node.id, gamma.node.id, beta.node.id],
             epsilon,
+            layout,
             _backend: PhantomData,
         };
         match Norm
@@ -224,15 +292,32 @@ impl<B: NormBackend, C: CheckpointStrategy> NormBackend for Autodiff<B, C> {
             OpsKind::Tracked(mut prep) => {
                 let x_state = prep.checkpoint(&x);
                 let gamma_state = prep.checkpoint(&gamma);
-                let [y, mean, inv_std] =
-                    B::batch_norm_train(x.primitive, gamma.primitive, beta.primitive, epsilon);
-                let state = (x_state, gamma_state, mean.clone(), inv_std.clone(), epsilon);
+                let [y, mean, inv_std] = B::batch_norm_train(
+                    x.primitive,
+                    gamma.primitive,
+                    beta.primitive,
+                    epsilon,
+                    layout,
+                );
+                let state = (
+                    x_state,
+                    gamma_state,
+                    mean.clone(),
+                    inv_std.clone(),
+                    epsilon,
+                    layout,
+                );
                 let y = prep.finish(state, y);
                 [y, Self::from_inner(mean), Self::from_inner(inv_std)]
             }
             OpsKind::UnTracked(prep) => {
-                let [y, mean, inv_std] =
-                    B::batch_norm_train(x.primitive, gamma.primitive, beta.primitive, epsilon);
+                let [y, mean, inv_std] = B::batch_norm_train(
+                    x.primitive,
+                    gamma.primitive,
+                    beta.primitive,
+                    epsilon,
+                    layout,
+                );
                 [
                     prep.finish(y),
                     Self::from_inner(mean),
@@ -257,8 +342,8 @@ mod tests {
     }
 
     /// Two training steps' forward and backward through Burn's `BatchNorm` and
-    /// through [`batch_norm`] from the same module: same outputs, same gradients for
-    /// the input, gamma and beta, same running statistics.
+    /// through [`batch_norm`] from the same module, in both layouts: same outputs, same
+    /// gradients for the input, gamma and beta, same running statistics.
     fn agrees_with_burn<B: NormBackend + AutodiffBackend>() {
         let _rng = rng_lock();
         let dev = Default::default();
@@ -272,17 +357,21 @@ mod tests {
                 ..bn
             }
         };
-        let run = |ours: bool| {
+        // `None`: Burn's module.
+        let run = |ours: Option<Layout>| {
             let bn = make();
             let mut out = Vec::new();
             for step in 0..2 {
                 let x = Tensor::<B, 4>::random([3, 5, 4, 6], Distribution::Normal(2.0, 3.0), &dev)
                     .add_scalar(step as f64)
                     .require_grad();
-                let y = if ours {
-                    batch_norm(&bn, x.clone())
-                } else {
-                    bn.forward(x.clone())
+                let y = match ours {
+                    Some(Layout::Nchw) => batch_norm(&bn, x.clone(), Layout::Nchw),
+                    Some(Layout::Nhwc) => {
+                        batch_norm(&bn, x.clone().permute([0, 2, 3, 1]), Layout::Nhwc)
+                            .permute([0, 3, 1, 2])
+                    }
+                    None => bn.forward(x.clone()),
                 };
                 // Weigh every output differently, so a misplaced gradient cannot pass.
                 let n = y.shape().num_elements() as i64;
@@ -304,9 +393,7 @@ mod tests {
         };
         // Same random inputs for both runs.
         B::seed(&dev, 3);
-        let ours = run(true);
-        B::seed(&dev, 3);
-        let burn = run(false);
+        let burn = run(None);
         let names = [
             "output",
             "x grad",
@@ -315,18 +402,22 @@ mod tests {
             "running mean",
             "running var",
         ];
-        for (step, (a, b)) in ours.iter().zip(&burn).enumerate() {
-            for (name, (p, q)) in names.iter().zip(a.iter().zip(b)) {
-                assert!(
-                    max_diff(p, q) < 1e-4,
-                    "step {step}: {name} differs: {p:?} vs {q:?}"
-                );
+        for layout in [Layout::Nchw, Layout::Nhwc] {
+            B::seed(&dev, 3);
+            let ours = run(Some(layout));
+            for (step, (a, b)) in ours.iter().zip(&burn).enumerate() {
+                for (name, (p, q)) in names.iter().zip(a.iter().zip(b)) {
+                    assert!(
+                        max_diff(p, q) < 1e-4,
+                        "{layout:?} step {step}: {name} differs: {p:?} vs {q:?}"
+                    );
+                }
             }
+            assert!(
+                ours[1][2].iter().any(|v| v.abs() > 1e-3),
+                "gamma gradients are all but zero"
+            );
         }
-        assert!(
-            ours[1][2].iter().any(|v| v.abs() > 1e-3),
-            "gamma gradients are all but zero"
-        );
     }
 
     #[test]
@@ -339,13 +430,73 @@ mod tests {
         agrees_with_burn::<Autodiff<Flex, BalancedCheckpointing>>();
     }
 
-    /// Inference uses the running statistics, as Burn's module does.
+    /// Inference uses the running statistics, as Burn's module does, in either layout
+    /// and (to bf16's precision) on bf16 inputs.
     #[test]
     fn inference_is_burns_module() {
+        use burn::module::RunningState;
         let _rng = rng_lock();
         let dev = Default::default();
+        let normal = Distribution::Normal(1.0, 2.0);
         let bn = BatchNormConfig::new(3).init::<Flex>(&dev);
-        let x = Tensor::<Flex, 4>::random([2, 3, 2, 2], Distribution::Normal(1.0, 2.0), &dev);
-        assert_eq!(values(batch_norm(&bn, x.clone())), values(bn.forward(x)));
+        let bn = BatchNorm {
+            gamma: Param::from_tensor(Tensor::random([3], normal, &dev)),
+            beta: Param::from_tensor(Tensor::random([3], normal, &dev)),
+            running_mean: RunningState::new(Tensor::random([3], normal, &dev)),
+            running_var: RunningState::new(Tensor::random([3], normal, &dev).abs()),
+            ..bn
+        };
+        let x = Tensor::<Flex, 4>::random([2, 3, 4, 5], normal, &dev);
+        let burn = values(bn.forward(x.clone()));
+        assert_eq!(values(batch_norm(&bn, x.clone(), Layout::Nchw)), burn);
+        let nhwc = batch_norm(&bn, x.clone().permute([0, 2, 3, 1]), Layout::Nhwc);
+        assert!(max_diff(&values(nhwc.permute([0, 3, 1, 2])), &burn) < 1e-5);
+        let low = batch_norm(&bn, x.cast(FloatDType::BF16), Layout::Nchw);
+        assert_eq!(low.dtype(), DType::BF16);
+        let low = values(low.cast(FloatDType::F32));
+        let scale = burn.iter().fold(0f32, |m, v| m.max(v.abs()));
+        assert!(max_diff(&low, &burn) < 0.02 * scale, "bf16 inference");
+    }
+
+    /// A bf16 input's training pass is computed in f32 and agrees with the fp32 pass to
+    /// bf16's precision; its output and input gradient are bf16, the rest f32.
+    #[test]
+    fn low_precision_input_keeps_f32_statistics() {
+        let _rng = rng_lock();
+        let dev = Default::default();
+        let bn = BatchNormConfig::new(4).init::<TestBackend>(&dev);
+        let x =
+            Tensor::<TestBackend, 4>::random([3, 5, 6, 4], Distribution::Normal(2.0, 3.0), &dev);
+        let run = |dtype: FloatDType| {
+            let x = x.clone().cast(dtype).require_grad();
+            let y = batch_norm(&bn, x.clone(), Layout::Nhwc);
+            let n = y.shape().num_elements() as i64;
+            let weights = Tensor::<TestBackend, 1, burn::tensor::Int>::arange(0..n, &dev)
+                .float()
+                .reshape(y.shape())
+                .div_scalar(n as f64);
+            let grads = (y.clone().cast(FloatDType::F32) * weights).sum().backward();
+            let dx = x.grad(&grads).unwrap();
+            let dgamma = bn.gamma.grad(&grads).unwrap();
+            (
+                y.dtype(),
+                dx.dtype(),
+                dgamma.dtype(),
+                values(y.cast(FloatDType::F32)),
+                values(dx.cast(FloatDType::F32)),
+                values(dgamma),
+            )
+        };
+        let (_, _, _, y32, dx32, dg32) = run(FloatDType::F32);
+        let (ty, tdx, tdg, y16, dx16, dg16) = run(FloatDType::BF16);
+        assert_eq!((ty, tdx, tdg), (DType::BF16, DType::BF16, DType::F32));
+        for (name, a, b) in [
+            ("output", &y16, &y32),
+            ("x grad", &dx16, &dx32),
+            ("gamma grad", &dg16, &dg32),
+        ] {
+            let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+            assert!(max_diff(a, b) < 0.02 * scale, "{name}: {a:?} vs {b:?}");
+        }
     }
 }

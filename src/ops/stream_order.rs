@@ -17,10 +17,13 @@
 //! No cycle: kiln's stream only waits for a store that cubecl's stream has queued
 //! ahead of its own spinning kernel, and kiln's whole part is queued before that
 //! kernel is. One residual risk: cubecl's spinning kernel holds one block's resources
-//! on one SM while cuDNN works, so a cuDNN kernel that needed every SM's full capacity
-//! at once (a cooperative launch) would never start. None did in the shapes measured
-//! (ResNet-18 and -50 and the correctness test); should one hang, the step watchdog
-//! ends the process and the supervisor restarts it from its checkpoint.
+//! on one SM while cuDNN works, so a cuDNN kernel that needs every SM's full capacity
+//! at once (a cooperative launch) never finishes. cuDNN's persistent batch norm, which
+//! channels-last uses, is one (its first ResNet step never ended): those calls skip
+//! step 3 and the host waits for kiln's stream (`cudnn::After::Host`). No
+//! convolution hung in the shapes measured (ResNet-18 and -50 and the correctness
+//! test); should one, the step watchdog ends the process and the supervisor restarts
+//! it from its checkpoint.
 //!
 //! CUDA's stream memory operations would spare kiln's two kernels, but
 //! `cuStreamWaitValue32` on a cubecl buffer returned CUDA_ERROR_INVALID_VALUE on the

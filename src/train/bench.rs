@@ -20,7 +20,7 @@ use super::trainer::model_spec;
 use super::transfer::Buckets;
 use crate::config::Config;
 use crate::data::{Batch, Dataset};
-use crate::model::ResNet;
+use crate::model::{Compute, ResNet};
 
 pub struct BenchJob {
     pub config: Config,
@@ -79,7 +79,9 @@ impl BackendJob for BenchJob {
         let shape = self.dataset.shape();
         let spec = model_spec(cfg, &self.dataset);
         B::seed(&device, cfg.train.seed);
-        let mut model = spec.init::<B>(&device).with_precision(cfg.train.precision);
+        let mut model = spec
+            .init::<B>(&device)
+            .with_compute(Compute::new(cfg.train.precision, cfg.train.channels_last));
         let mut optim = Optim::<ResNet<B>, B>::new(&cfg.optim);
         let (loader, _) = self
             .dataset

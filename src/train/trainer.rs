@@ -25,7 +25,7 @@ use crate::config::Config;
 use crate::config::{FaultKind, FaultsConfig};
 use crate::data::{DataError, Dataset, Loader};
 use crate::device::{GpuUsage, UsageMonitor};
-use crate::model::{ModelSpec, ResNet};
+use crate::model::{Compute, ModelSpec, ResNet};
 use crate::report::{self, Progress, Summary, Ticker};
 use crate::run::failure::{Failure, write_failure};
 
@@ -179,7 +179,9 @@ pub fn fit<B: TrainBackend>(
     let mut faults = Faults::new(&cfg.faults, &job.run_dir);
     let spec = model_spec(cfg, &job.dataset);
     B::seed(&device, cfg.train.seed);
-    let mut model = spec.init::<B>(&device).with_precision(cfg.train.precision);
+    let mut model = spec
+        .init::<B>(&device)
+        .with_compute(Compute::new(cfg.train.precision, cfg.train.channels_last));
     let mut optim = Optim::<ResNet<B>, B>::new(&cfg.optim);
     let mut state = TrainState::new(spec, job.dataset.classes.clone(), job.devices.clone());
     state.config_sha256 = cfg.training_hash();

@@ -17,7 +17,7 @@ use super::trainer::{TrainError, evaluate, model_spec};
 use super::transfer::Buckets;
 use crate::config::Config;
 use crate::data::Dataset;
-use crate::model::ResNet;
+use crate::model::{Compute, ResNet};
 
 pub struct WarmupJob {
     pub config: Config,
@@ -41,7 +41,7 @@ impl BackendJob for WarmupJob {
         B::seed(&device, cfg.train.seed);
         let mut model = model_spec(cfg, &self.dataset)
             .init::<B>(&device)
-            .with_precision(cfg.train.precision);
+            .with_compute(Compute::new(cfg.train.precision, cfg.train.channels_last));
         let mut optim = Optim::<ResNet<B>, B>::new(&cfg.optim);
         let (train, test) = self
             .dataset

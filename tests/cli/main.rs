@@ -795,6 +795,12 @@ fn bench_reports_throughput_as_json_and_as_text() {
         .stdout_has("throughput")
         .stdout_has("synced phases")
         .stdout_has("fp16");
+    // Channels-last runs on the CPU (through NCHW views of Burn's kernels).
+    let nhwc = Output::of(kiln().args(args).args(["--json", "--channels-last"]));
+    nhwc.success();
+    let doc: serde_json::Value = serde_json::from_str(nhwc.stdout.trim()).unwrap();
+    assert_eq!(doc["channels_last"], true);
+    assert!(doc["img_per_s"].as_f64().unwrap() > 0.0);
 }
 
 /// Every epoch's train loss and the final test loss, as written (f64 in summary.json).
