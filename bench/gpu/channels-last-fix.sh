@@ -10,10 +10,7 @@
 # .gpu/kiln-test.xz and the first call's .gpu/caches.tar.xz. See lib.sh.
 set -u
 source "$(dirname "$0")/lib.sh"
-( while sleep 10; do
-    echo "$(date +%T) gpu $(nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader) kiln $(ps -o %cpu=,etime= -C kiln | tr '\n' ' ')"
-  done > "$RES/watch.txt" ) &
-WATCH=$!
+watch_gpu
 CAP=150 bench r50-bf16-cl "${R50[@]}" --devices 0 --precision bf16 --channels-last
 if ! grep -q img_per_s "$RES/bench-r50-bf16-cl.json"; then
   CAP=120 bench r50-bf16-cl-burnbn "${R50[@]}" --devices 0 --precision bf16 --channels-last --set train.batch_norm=burn
@@ -23,5 +20,4 @@ CAP=100 bench r18-bf16-cl "${R18[@]}" --devices 0 --precision bf16 --channels-la
 CAP=60 bench r50-bf16-cl-2 "${R50[@]}" --devices 0 --precision bf16 --channels-last
 train default-bf16-cl 0 --set train.precision=bf16 --set train.channels_last=true
 gpu_test conv cudnn_matches "$(limit)"
-kill $WATCH
 finish

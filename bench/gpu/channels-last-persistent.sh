@@ -9,10 +9,7 @@
 # call's .gpu/caches.tar.xz. See lib.sh.
 set -u
 source "$(dirname "$0")/lib.sh"
-( while sleep 10; do
-    echo "$(date +%T) gpu $(nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader) kiln $(ps -o %cpu=,etime= -C kiln | tr '\n' ' ')"
-  done > "$RES/watch.txt" ) &
-WATCH=$!
+watch_gpu
 gpu_test bn cudnn_batch_norm 40
 CAP=70 bench r50-bf16-cl "${R50[@]}" --devices 0 --precision bf16 --channels-last
 CAP=50 bench r50-fp32-cl "${R50[@]}" --devices 0 --channels-last
@@ -23,5 +20,4 @@ CAP=90 bench r18-bf16-cl "${R18[@]}" --devices 0 --precision bf16 --channels-las
 CUDA_VISIBLE_DEVICES=0 torch r18-bf16-cl "${R18[@]}" --precision bf16 --channels-last
 CAP=40 bench r50-bf16-cl-2 "${R50[@]}" --devices 0 --precision bf16 --channels-last
 train default-bf16-cl 0 --set train.precision=bf16 --set train.channels_last=true
-kill $WATCH
 finish

@@ -37,6 +37,7 @@ bench() {  # name, then kiln bench args
 }
 # One ignored GPU test of .gpu/kiln-test.xz (this build's unit-test binary).
 gpu_test() {  # name, test filter, time limit in seconds
+  [ "$3" -gt 5 ] || { log "test $1 skipped (${3}s left)"; return; }
   [ -x /tmp/kiln-test ] || { xz -dc .gpu/kiln-test.xz > /tmp/kiln-test && chmod +x /tmp/kiln-test; }
   timeout "$3" /tmp/kiln-test --ignored "$2" --test-threads 1 > "$RES/test-$1.log" 2>&1
   log "test $1 done ($?)"
@@ -64,8 +65,18 @@ train() {  # name, gpus, then extra args
   cp /tmp/runs/$name/*/metrics.csv "$RES/$name-metrics.csv" 2>/dev/null
   log "fmnist $name done"
 }
+# GPU utilisation and memory (NVML) and each kiln process's CPU share and age, every
+# 10 s, into $RES/watch.txt until `finish`: a hang keeps the GPU busy or idle with the
+# CPU quiet, a cold compile keeps the CPU busy and the GPU idle.
+watch_gpu() {
+  ( while sleep 10; do
+      echo "$(date +%T) gpu $(nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader) kiln $(ps -o %cpu=,etime= -C kiln | tr '\n' ' ')"
+    done > "$RES/watch.txt" ) &
+  WATCH=$!
+}
 # Every process still running is past the deadline; then the caches come back.
 finish() {
+  [ -n "${WATCH:-}" ] && kill "$WATCH"
   log "end"
   pkill -x kiln; sleep 1
   tail -n 3 "$RES"/*.log

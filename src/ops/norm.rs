@@ -282,6 +282,7 @@ impl<B: NormBackend, C: CheckpointStrategy> NormBackend for Autodiff<B, C> {
             layout,
             _backend: PhantomData,
         };
+        let train = |x, gamma, beta| B::batch_norm_train(x, gamma, beta, epsilon, layout);
         match Norm
             .prepare::<C>([x.node.clone(), gamma.node.clone(), beta.node.clone()])
             .memory_bound()
@@ -292,13 +293,7 @@ impl<B: NormBackend, C: CheckpointStrategy> NormBackend for Autodiff<B, C> {
             OpsKind::Tracked(mut prep) => {
                 let x_state = prep.checkpoint(&x);
                 let gamma_state = prep.checkpoint(&gamma);
-                let [y, mean, inv_std] = B::batch_norm_train(
-                    x.primitive,
-                    gamma.primitive,
-                    beta.primitive,
-                    epsilon,
-                    layout,
-                );
+                let [y, mean, inv_std] = train(x.primitive, gamma.primitive, beta.primitive);
                 let state = (
                     x_state,
                     gamma_state,
@@ -311,13 +306,7 @@ impl<B: NormBackend, C: CheckpointStrategy> NormBackend for Autodiff<B, C> {
                 [y, Self::from_inner(mean), Self::from_inner(inv_std)]
             }
             OpsKind::UnTracked(prep) => {
-                let [y, mean, inv_std] = B::batch_norm_train(
-                    x.primitive,
-                    gamma.primitive,
-                    beta.primitive,
-                    epsilon,
-                    layout,
-                );
+                let [y, mean, inv_std] = train(x.primitive, gamma.primitive, beta.primitive);
                 [
                     prep.finish(y),
                     Self::from_inner(mean),
