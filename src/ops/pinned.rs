@@ -87,6 +87,30 @@ fn give_back(buffer: Buffer) {
     FREE.lock().unwrap_or_else(|e| e.into_inner()).push(buffer);
 }
 
+/// A buffer on its way to a copy: back in the pool when dropped unless handed to the
+/// copy's callback, so an upload that fails before its copy is queued (cubecl's device
+/// thread or a buffer address unavailable) loses no page-locked memory.
+struct Lent(Option<Buffer>);
+
+impl Lent {
+    fn ptr(&self) -> *const c_void {
+        self.0.as_ref().map_or(std::ptr::null(), |b| b.ptr as *const c_void)
+    }
+
+    /// The buffer, for the callback that returns it once the copy has run.
+    fn hand_over(mut self) -> Buffer {
+        self.0.take().expect("a lent buffer is handed over once")
+    }
+}
+
+impl Drop for Lent {
+    fn drop(&mut self) {
+        if let Some(b) = self.0.take() {
+            give_back(b);
+        }
+    }
+}
+
 /// Run by the driver once the copy out of the buffer has run; no CUDA calls allowed.
 unsafe extern "C" fn copied(buffer: *mut c_void) {
     // SAFETY: the box `upload` leaked for this callback, taken back once.
@@ -127,16 +151,15 @@ fn upload(
         .for_each(|(d, s)| d.copy_from_slice(s));
     let client = CudaRuntime::client(device);
     let out = client.empty(len);
+    let buffer = Lent(Some(buffer));
     on_kiln_stream(&client, device.index, &[Some(&out)], move |stream, p| {
-        let from = buffer.ptr as *const c_void;
+        let from = buffer.ptr();
         // SAFETY: `p[0]` is `out`, `len` bytes on this device; the buffer holds them.
-        if let Err(e) =
-            unsafe { dsys::cuMemcpyHtoDAsync_v2(p[0] as u64, from, len, stream) }.result()
-        {
-            give_back(buffer);
-            return Err(cuda(e));
-        }
-        let boxed = Box::into_raw(Box::new(buffer)) as *mut c_void;
+        // On failure nothing was queued and `buffer` goes back to the pool.
+        unsafe { dsys::cuMemcpyHtoDAsync_v2(p[0] as u64, from, len, stream) }
+            .result()
+            .map_err(cuda)?;
+        let boxed = Box::into_raw(Box::new(buffer.hand_over())) as *mut c_void;
         // SAFETY: `copied` takes the box back exactly once, after the copy.
         if let Err(e) = unsafe { drv::stream::launch_host_function(stream, copied, boxed) } {
             // SAFETY: this thread's stream; once it is idle the copy is done, and the
