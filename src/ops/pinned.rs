@@ -94,7 +94,9 @@ struct Lent(Option<Buffer>);
 
 impl Lent {
     fn ptr(&self) -> *const c_void {
-        self.0.as_ref().map_or(std::ptr::null(), |b| b.ptr as *const c_void)
+        self.0
+            .as_ref()
+            .map_or(std::ptr::null(), |b| b.ptr as *const c_void)
     }
 
     /// The buffer, for the callback that returns it once the copy has run.

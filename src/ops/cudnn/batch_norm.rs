@@ -1,0 +1,430 @@
+//! cuDNN's batch normalisation behind Burn's CUDA backend (`train.batch_norm`): the
+//! training pass (batch statistics) forward and backward as one cuDNN call each, on
+//! kiln's stream as the convolutions are (see the parent module).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use burn::cubecl::cuda::CudaRuntime;
+use burn::cubecl::server::Handle;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{DType, Shape};
+use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
+use cudarc::cudnn::{result as dnn, sys};
+
+use super::{
+    After, Client, Tensor, data_type, dims, on_device_thread, tensor_format, warn_once,
+    write_scaling,
+};
+use crate::ops::norm::{grad_reference, train_reference};
+use crate::ops::{Layout, NormBackend};
+
+static BATCH_NORM: AtomicBool = AtomicBool::new(false);
+
+/// Whether BatchNorm's training pass runs on cuDNN (after [`probe_batch_norm`]
+/// succeeded). Set once, before training.
+pub fn set_batch_norm(on: bool) {
+    BATCH_NORM.store(on, Ordering::Relaxed);
+}
+
+/// Whether the cuDNN that [`probe`] loaded has the batch normalisation entry points
+/// (cuDNN 9 keeps them in its legacy operations library, which a slimmed install may
+/// leave out; cudarc would panic at the first call).
+pub fn probe_batch_norm() -> Result<(), String> {
+    for name in [
+        "cudnnDeriveBNTensorDescriptor",
+        "cudnnBatchNormalizationForwardTraining",
+        "cudnnBatchNormalizationBackward",
+    ] {
+        // SAFETY: only looks the symbol up; `probe` has loaded the library.
+        let found = unsafe { sys::culib().get::<unsafe extern "C" fn()>(name.as_bytes()) };
+        found.map_err(|e| format!("{name} is missing from cuDNN: {e}"))?;
+    }
+    Ok(())
+}
+
+/// What one batch-normalisation input's descriptors depend on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(super) struct NormKey {
+    /// NCHW order, whatever the layout.
+    dims: [i32; 4],
+    layout: Layout,
+    data: sys::cudnnDataType_t,
+}
+
+impl NormKey {
+    /// Batch statistics over N, H and W (per channel), as BatchNorm in training.
+    /// Channels-last takes cuDNN's persistent kernels, as PyTorch does there: its
+    /// plain NHWC kernels ran ResNet-50 at a sixth of the NCHW speed on an H200.
+    fn mode(&self) -> sys::cudnnBatchNormMode_t {
+        match self.layout {
+            Layout::Nchw => sys::cudnnBatchNormMode_t::CUDNN_BATCHNORM_SPATIAL,
+            Layout::Nhwc => sys::cudnnBatchNormMode_t::CUDNN_BATCHNORM_SPATIAL_PERSISTENT,
+        }
+    }
+
+    /// The persistent kernels keep every SM busy at once and wait for all their
+    /// blocks: queued behind them, cubecl's spinning hand-over kernel (`stream_order`)
+    /// held part of one SM and the first channels-last ResNet step never ended. After
+    /// them the host waits for kiln's stream instead.
+    fn after(&self) -> After {
+        match self.mode() {
+            sys::cudnnBatchNormMode_t::CUDNN_BATCHNORM_SPATIAL_PERSISTENT => After::Host,
+            _ => After::Gpu,
+        }
+    }
+}
+
+/// The descriptor of `x` and the per-channel one cuDNN derives from it for the
+/// parameters and statistics (f32, also for bf16 and fp16 inputs); destroyed on drop.
+pub(super) struct NormDescriptors {
+    x: sys::cudnnTensorDescriptor_t,
+    channel: sys::cudnnTensorDescriptor_t,
+    mode: sys::cudnnBatchNormMode_t,
+}
+
+impl NormDescriptors {
+    pub(super) fn new(key: NormKey) -> Result<Self, String> {
+        let err = |what: &str, e: dnn::CudnnError| format!("batch norm {what} {key:?}: {e:?}");
+        let mut d = NormDescriptors {
+            x: std::ptr::null_mut(),
+            channel: std::ptr::null_mut(),
+            mode: key.mode(),
+        };
+        d.x = dnn::create_tensor_descriptor().map_err(|e| err("descriptor", e))?;
+        d.channel = dnn::create_tensor_descriptor().map_err(|e| err("descriptor", e))?;
+        // SAFETY: both descriptors were created above and are alive.
+        unsafe {
+            dnn::set_tensor4d_descriptor(d.x, tensor_format(key.layout), key.data, key.dims)
+                .map_err(|e| err("input", e))?;
+            sys::cudnnDeriveBNTensorDescriptor(d.channel, d.x, d.mode)
+                .result()
+                .map_err(|e| err("channels", e))?;
+        }
+        Ok(d)
+    }
+}
+
+impl Drop for NormDescriptors {
+    fn drop(&mut self) {
+        // SAFETY: each pointer is either null (never created) or a live descriptor.
+        unsafe {
+            for d in [self.x, self.channel] {
+                if !d.is_null() {
+                    let _ = dnn::destroy_tensor_descriptor(d);
+                }
+            }
+        }
+    }
+}
+
+/// The tensors of one batch-normalisation call, contiguous, after checking what
+/// cuDNN takes: `tensors[0]` 4-D (f32, bf16 or fp16), the others `[C]` in f32 or of
+/// `x`'s shape and dtype (`full` lists which). Returns them with `x`'s descriptor key.
+fn norm_inputs<const N: usize>(
+    tensors: [&Tensor; N],
+    full: &[usize],
+    layout: Layout,
+) -> Result<([Tensor; N], NormKey), String> {
+    let x = tensors[0];
+    if x.meta.shape().num_dims() != 4 {
+        return Err("cuDNN batch norm takes 4-D tensors".into());
+    }
+    let data = data_type(x.dtype)?;
+    for (i, t) in tensors.iter().enumerate() {
+        let want = if full.contains(&i) {
+            x.dtype
+        } else {
+            DType::F32
+        };
+        if t.dtype != want {
+            return Err(format!(
+                "no cuDNN batch norm for {:?} with {:?}",
+                t.dtype, x.dtype
+            ));
+        }
+    }
+    let key = NormKey {
+        dims: dims(x, layout),
+        layout,
+        data,
+    };
+    Ok((tensors.map(|t| into_contiguous(t.clone())), key))
+}
+
+/// The buffers of a batch-norm call's three outputs: one of `x`'s size and dtype, two
+/// f32 per channel.
+fn norm_buffers(client: &Client, x: &Tensor, key: &NormKey) -> [Handle; 3] {
+    let channels = key.dims[1] as usize;
+    [
+        client.empty(x.meta.shape().num_elements() * x.dtype.size()),
+        client.empty(channels * 4),
+        client.empty(channels * 4),
+    ]
+}
+
+/// A batch-norm call's three outputs as tensors: the first of `x`'s shape and dtype,
+/// the other two per channel, f32.
+fn norm_outputs(
+    client: &Client,
+    x: &Tensor,
+    key: &NormKey,
+    [full, a, b]: [Handle; 3],
+) -> [Tensor; 3] {
+    let shape = x.meta.shape();
+    let channel = Shape::new([key.dims[1] as usize]);
+    let tensor = |shape: Shape, handle, dtype| {
+        Tensor::new_contiguous(client.clone(), x.device.clone(), shape, handle, dtype)
+    };
+    [
+        tensor(shape.clone(), full, x.dtype),
+        tensor(channel.clone(), a, DType::F32),
+        tensor(channel, b, DType::F32),
+    ]
+}
+
+/// [`NormBackend::batch_norm_train`] through cuDNN.
+fn norm_train(
+    x: &Tensor,
+    gamma: &Tensor,
+    beta: &Tensor,
+    epsilon: f64,
+    layout: Layout,
+) -> Result<[Tensor; 3], String> {
+    let ([x, gamma, beta], key) = norm_inputs([x, gamma, beta], &[0], layout)?;
+    let client = x.client.clone();
+    let [y, mean, inv_std] = on_device_thread(&client, x.device.index, |dnn| {
+        let descs = dnn.norm(key)?;
+        let [y, mean, inv_std] = norm_buffers(&client, &x, &key);
+        let buffers = [&x.handle, &gamma.handle, &beta.handle, &y, &mean, &inv_std].map(Some);
+        dnn.queue(&client, &buffers, key.after(), |dnn, p| {
+            let h = dnn.handle()?;
+            let (a, b) = write_scaling();
+            let null = std::ptr::null_mut();
+            // SAFETY: contiguous buffers of the described shapes and dtypes; the running
+            // statistics (both null) are updated by the caller, as Burn's module does.
+            unsafe {
+                sys::cudnnBatchNormalizationForwardTraining(
+                    h,
+                    descs.mode,
+                    a,
+                    b,
+                    descs.x,
+                    p[0],
+                    descs.x,
+                    p[3],
+                    descs.channel,
+                    p[1],
+                    p[2],
+                    0.0,
+                    null,
+                    null,
+                    epsilon,
+                    p[4],
+                    p[5],
+                )
+            }
+            .result()
+            .map_err(|e| format!("batch norm forward {key:?}: {e:?}"))
+        })?;
+        Ok([y, mean, inv_std])
+    })?;
+    Ok(norm_outputs(&client, &x, &key, [y, mean, inv_std]))
+}
+
+/// [`NormBackend::batch_norm_grad`] through cuDNN.
+fn norm_grad(
+    x: &Tensor,
+    gamma: &Tensor,
+    mean: &Tensor,
+    inv_std: &Tensor,
+    dy: &Tensor,
+    epsilon: f64,
+    layout: Layout,
+) -> Result<[Tensor; 3], String> {
+    let ([x, gamma, mean, inv_std, dy], key) =
+        norm_inputs([x, gamma, mean, inv_std, dy], &[0, 4], layout)?;
+    let client = x.client.clone();
+    let [dx, dgamma, dbeta] = on_device_thread(&client, x.device.index, |dnn| {
+        let descs = dnn.norm(key)?;
+        let [dx, dgamma, dbeta] = norm_buffers(&client, &x, &key);
+        let buffers = [
+            &x.handle,
+            &gamma.handle,
+            &mean.handle,
+            &inv_std.handle,
+            &dy.handle,
+            &dx,
+            &dgamma,
+            &dbeta,
+        ]
+        .map(Some);
+        dnn.queue(&client, &buffers, key.after(), |dnn, p| {
+            let h = dnn.handle()?;
+            let (a, b) = write_scaling();
+            // SAFETY: contiguous buffers of the described shapes and dtypes; mean and
+            // inverse deviation are the forward pass's, computed with the same epsilon.
+            unsafe {
+                sys::cudnnBatchNormalizationBackward(
+                    h,
+                    descs.mode,
+                    a,
+                    b,
+                    a,
+                    b,
+                    descs.x,
+                    p[0],
+                    descs.x,
+                    p[4],
+                    descs.x,
+                    p[5],
+                    descs.channel,
+                    p[1],
+                    p[6],
+                    p[7],
+                    epsilon,
+                    p[2],
+                    p[3],
+                )
+            }
+            .result()
+            .map_err(|e| format!("batch norm backward {key:?}: {e:?}"))
+        })?;
+        Ok([dx, dgamma, dbeta])
+    })?;
+    Ok(norm_outputs(&client, &x, &key, [dx, dgamma, dbeta]))
+}
+
+/// cuDNN's result, or `None` (Burn's operations) when BatchNorm is not routed to
+/// cuDNN or it failed; a failure is reported once.
+fn norm_through_cudnn(run: impl FnOnce() -> Result<[Tensor; 3], String>) -> Option<[Tensor; 3]> {
+    if !BATCH_NORM.load(Ordering::Relaxed) {
+        return None;
+    }
+    static WARNED: AtomicBool = AtomicBool::new(false);
+    warn_once(run(), &WARNED, "a batch norm", "operations")
+}
+
+impl<F: FloatElement, I: IntElement, BT: BoolElement> NormBackend
+    for CubeBackend<CudaRuntime, F, I, BT>
+{
+    fn batch_norm_train(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        epsilon: f64,
+        layout: Layout,
+    ) -> [FloatTensor<Self>; 3] {
+        match norm_through_cudnn(|| norm_train(&x, &gamma, &beta, epsilon, layout)) {
+            Some(out) => out,
+            None => train_reference::<Self>(x, gamma, beta, epsilon, layout),
+        }
+    }
+
+    fn batch_norm_grad(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        mean: FloatTensor<Self>,
+        inv_std: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+        epsilon: f64,
+        layout: Layout,
+    ) -> [FloatTensor<Self>; 3] {
+        let cudnn = || norm_grad(&x, &gamma, &mean, &inv_std, &dy, epsilon, layout);
+        match norm_through_cudnn(cudnn) {
+            Some(out) => out,
+            None => grad_reference::<Self>(x, gamma, mean, inv_std, dy, layout),
+        }
+    }
+}
+
+/// On a GPU only (`cargo test --release -- --ignored cudnn_batch_norm`, or the test
+/// binary with `--ignored` on a GPU machine): cuDNN against Burn's operations, through
+/// autodiff and the fusion stream, in both layouts and every precision.
+#[cfg(test)]
+mod tests {
+    use super::super::probe;
+    use super::*;
+    use burn::backend::Autodiff;
+    use burn::backend::cuda::{Cuda, CudaDevice};
+    use burn::tensor::{Distribution, FloatDType, Tensor as T};
+
+    type B = Autodiff<Cuda>;
+
+    /// Batch norm's output, statistics and gradients through autodiff and fusion, on
+    /// an input in `layout` and `dtype` (the parameters and statistics are f32).
+    fn norm(cudnn: bool, layout: Layout, dtype: FloatDType) -> Vec<Vec<f32>> {
+        set_batch_norm(cudnn);
+        let dev = CudaDevice::new(0);
+        <B as burn::tensor::backend::Backend>::seed(&dev, 11);
+        let x = T::<B, 4>::random([6, 5, 7, 9], Distribution::Normal(1.0, 2.0), &dev);
+        let x = match layout {
+            Layout::Nchw => x.cast(dtype),
+            Layout::Nhwc => x.cast(dtype).permute([0, 2, 3, 1]),
+        };
+        let gamma = T::<B, 1>::random([5], Distribution::Normal(1.0, 0.5), &dev);
+        let beta = T::<B, 1>::random([5], Distribution::Normal(0.0, 0.5), &dev);
+        let (x, gamma, beta) = (x.require_grad(), gamma.require_grad(), beta.require_grad());
+        let p = |t: T<B, 1>| t.into_primitive().tensor();
+        let [y, mean, inv_std] = B::batch_norm_train(
+            x.clone().into_primitive().tensor(),
+            p(gamma.clone()),
+            p(beta.clone()),
+            1e-5,
+            layout,
+        );
+        let y = T::<B, 4>::from_primitive(burn::tensor::TensorPrimitive::Float(y));
+        assert_eq!(y.dtype(), dtype.into());
+        let stat = |t| T::<B, 1>::from_primitive(burn::tensor::TensorPrimitive::Float(t));
+        let n = y.shape().num_elements() as i64;
+        let weights = T::<B, 1, burn::tensor::Int>::arange(0..n, &dev)
+            .float()
+            .reshape(y.shape())
+            / n as f32;
+        let grads = (y.clone().cast(FloatDType::F32) * weights).sum().backward();
+        let v = |t: burn::tensor::TensorData| t.convert::<f32>().to_vec::<f32>().unwrap();
+        vec![
+            v(y.into_data()),
+            v(stat(mean).into_data()),
+            v(stat(inv_std).into_data()),
+            v(x.grad(&grads).unwrap().into_data()),
+            v(gamma.grad(&grads).unwrap().into_data()),
+            v(beta.grad(&grads).unwrap().into_data()),
+        ]
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA GPU and cuDNN"]
+    fn cudnn_batch_norm_matches_burns_operations_on_the_gpu() {
+        probe(0).expect("cuDNN should load on this machine");
+        probe_batch_norm().expect("cuDNN should have batch norm");
+        let names = [
+            "output",
+            "mean",
+            "inverse deviation",
+            "x grad",
+            "gamma grad",
+            "beta grad",
+        ];
+        let cases = [
+            (Layout::Nchw, FloatDType::F32, 1e-3),
+            (Layout::Nhwc, FloatDType::F32, 1e-3),
+            // Both sides compute in f32 and round the output and input gradient to bf16.
+            (Layout::Nhwc, FloatDType::BF16, 2e-2),
+            (Layout::Nhwc, FloatDType::F16, 5e-3),
+        ];
+        for (layout, dtype, tol) in cases {
+            let ours = norm(true, layout, dtype);
+            let burn = norm(false, layout, dtype);
+            for (name, (a, b)) in names.iter().zip(ours.iter().zip(&burn)) {
+                let scale = b.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
+                let diff = a.iter().zip(b).fold(0f32, |m, (p, q)| m.max((p - q).abs()));
+                assert!(
+                    diff / scale < tol,
+                    "{layout:?} {dtype:?}: {name} differs by {diff} (scale {scale})"
+                );
+            }
+        }
+        set_batch_norm(false);
+    }
+}
