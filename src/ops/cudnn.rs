@@ -5,9 +5,9 @@
 //! bindings, cuDNN 9) and probed before training; a call it refuses (a shape or dtype
 //! without an algorithm) runs on Burn's kernels.
 //!
-//! cubecl keeps its CUDA streams private, so cuDNN runs on a stream of its own, ordered
-//! against this thread's cubecl stream on the GPU (`stream_order`): the host queues
-//! the call and goes on. Where that cannot be set up, the call waits on the host for
+//! cubecl keeps its CUDA streams private, so cuDNN runs on kiln's own stream
+//! (`kiln_stream`), ordered against this thread's cubecl stream on the GPU
+//! (`stream_order`): the host queues the call and goes on. Where that cannot be set up, the call waits on the host for
 //! cubecl's stream before and for its own after, as the first version did (two host
 //! synchronisations per convolution, each draining the GPU's queue).
 //!
@@ -20,25 +20,22 @@
 
 use std::cell::RefCell;
 use std::collections::HashMap;
-use std::collections::hash_map::Entry;
 use std::ffi::c_void;
 use std::mem::MaybeUninit;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 
 use burn::cubecl::cuda::CudaRuntime;
-use burn::cubecl::future::block_on;
-use burn::cubecl::server::Handle;
 use burn::tensor::ops::{ConvOptions, FloatTensor};
 use burn::tensor::{DType, Shape};
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
 use cudarc::cudnn::{result as dnn, sys};
-use cudarc::driver::{result as drv, sys as dsys};
+use cudarc::driver::sys as dsys;
 
 use super::conv::burn_conv2d;
-use super::stream_order::Handover;
+use super::kiln_stream::{After, Client, Lane, on_device_thread, with_lane};
 use super::{ConvBackend, CudnnRoute, Layout, Part, conv2d_output_dims};
 
 mod batch_norm;
@@ -46,7 +43,6 @@ use batch_norm::{NormDescriptors, NormKey};
 pub use batch_norm::{probe_batch_norm, set_batch_norm};
 
 type Tensor = CubeTensor<CudaRuntime>;
-type Client = burn::cubecl::client::ComputeClient<CudaRuntime>;
 
 /// The most workspace one convolution gets; an algorithm that asks for more is passed
 /// over for cuDNN's next proposal.
@@ -91,16 +87,19 @@ pub fn probe(ordinal: usize) -> Result<String, String> {
             .result()
             .map_err(|e| format!("cuDNN's operations library: {e:?}"))?;
     }
-    with_dnn(ordinal, |dnn| {
-        // A small convolution planned end to end, as training will.
-        let key = ConvKey {
-            part: Part::Forward,
-            data: sys::cudnnDataType_t::CUDNN_DATA_FLOAT,
-            dims: [[8, 16, 32, 32], [16, 16, 3, 3], [8, 16, 32, 32]],
-            options: ConvOptions::new([1, 1], [1, 1], [1, 1], 1),
-            layout: Layout::Nchw,
-        };
-        dnn.conv(&key).map(|_| ())
+    with_lane(ordinal, |lane| {
+        with_dnn(ordinal, |dnn| {
+            // A small convolution planned end to end, as training will.
+            let key = ConvKey {
+                part: Part::Forward,
+                data: sys::cudnnDataType_t::CUDNN_DATA_FLOAT,
+                dims: [[8, 16, 32, 32], [16, 16, 3, 3], [8, 16, 32, 32]],
+                options: ConvOptions::new([1, 1], [1, 1], [1, 1], 1),
+                layout: Layout::Nchw,
+            };
+            let handle = dnn.handle(lane.stream())?;
+            dnn.conv(&key, handle).map(|_| ())
+        })
     })?;
     Ok(format!(
         "{}.{}.{}",
@@ -110,17 +109,12 @@ pub fn probe(ordinal: usize) -> Result<String, String> {
     ))
 }
 
-/// kiln's CUDA stream per thread and device, and the cuDNN handle on it. Training calls
-/// run on cubecl's device thread, so each device has one; [`probe`] makes its own on
-/// the caller's. The pinned upload (`ops::pinned`) uses the stream, not cuDNN.
+/// cuDNN's state per thread and device: its handle on kiln's stream (`kiln_stream`)
+/// and what each shape needs. Training calls run on cubecl's device thread, so each
+/// device has one; [`probe`] makes its own on the caller's.
 struct Dnn {
     /// Made on the first cuDNN call, so work without cuDNN needs no cuDNN.
     handle: Option<sys::cudnnHandle_t>,
-    stream: dsys::CUstream,
-    context: dsys::CUcontext,
-    /// Made on the first call; `Err` where it could not be (its kernels did not compile
-    /// or load), which sends this thread's calls through host synchronisations.
-    handover: Option<Result<Handover, ()>>,
     /// Each convolution shape's descriptors and algorithm, or why cuDNN cannot run it
     /// (remembered, so such a shape goes straight to Burn's kernels).
     convs: HashMap<ConvKey, Result<Rc<Conv>, String>>,
@@ -131,64 +125,49 @@ struct Dnn {
 thread_local! {
     // Kept until the thread ends, then leaked: a replica thread ends with its training,
     // and destroying a handle after its context may be gone is worse than one handle
-    // and stream per device and training.
+    // per device and training.
     static DNN: RefCell<HashMap<usize, Dnn>> = RefCell::new(HashMap::new());
 }
 
+/// `f` with this thread's cuDNN state for GPU `ordinal`, inside a [`with_lane`] (or
+/// [`on_device_thread`]) for that GPU, which makes its context current.
 fn with_dnn<T>(ordinal: usize, f: impl FnOnce(&mut Dnn) -> Result<T, String>) -> Result<T, String> {
     DNN.with(|map| {
         let mut map = map.borrow_mut();
-        let dnn = match map.entry(ordinal) {
-            Entry::Occupied(e) => e.into_mut(),
-            Entry::Vacant(e) => e.insert(Dnn::new(ordinal)?),
-        };
-        // SAFETY: the context was retained by `Dnn::new` and is never released.
-        unsafe { drv::ctx::set_current(dnn.context) }.map_err(cuda)?;
+        let dnn = map.entry(ordinal).or_insert_with(|| Dnn {
+            handle: None,
+            convs: HashMap::new(),
+            norms: HashMap::new(),
+        });
         f(dnn)
     })
 }
 
-pub(crate) fn cuda(e: drv::DriverError) -> String {
-    format!("CUDA: {:?}", e.0)
-}
-
-/// GPU `ordinal`'s primary context, the one cubecl works in, made current on this
-/// thread. Retained again on every call (which only raises its reference count) and
-/// never released.
-pub(crate) fn make_primary_current(ordinal: usize) -> Result<dsys::CUcontext, String> {
-    drv::init().map_err(cuda)?;
-    let device = drv::device::get(ordinal as i32).map_err(cuda)?;
-    // SAFETY: retaining the primary context only raises its reference count; a context
-    // just retained can be made current.
-    unsafe {
-        let context = drv::primary_ctx::retain(device).map_err(cuda)?;
-        drv::ctx::set_current(context).map_err(cuda)?;
-        Ok(context)
-    }
+/// Runs `work` on cubecl's device thread ([`on_device_thread`]) with that thread's cuDNN
+/// state, lane and cuDNN handle for GPU `ordinal`.
+fn on_cudnn<T: Send + 'static>(
+    client: &Client,
+    ordinal: usize,
+    work: impl FnOnce(&mut Dnn, &mut Lane, sys::cudnnHandle_t) -> Result<T, String> + Send,
+) -> Result<T, String> {
+    on_device_thread(client, ordinal, |lane| {
+        with_dnn(ordinal, |dnn| {
+            let handle = dnn.handle(lane.stream())?;
+            work(dnn, lane, handle)
+        })
+    })
 }
 
 impl Dnn {
-    fn new(ordinal: usize) -> Result<Self, String> {
-        let context = make_primary_current(ordinal)?;
-        let stream = drv::stream::create(drv::stream::StreamKind::NonBlocking).map_err(cuda)?;
-        Ok(Dnn {
-            handle: None,
-            stream,
-            context,
-            handover: None,
-            convs: HashMap::new(),
-            norms: HashMap::new(),
-        })
-    }
-
-    /// The cuDNN handle on this thread's stream (cuDNN must have passed [`probe`]).
-    fn handle(&mut self) -> Result<sys::cudnnHandle_t, String> {
+    /// The cuDNN handle on `stream`, this thread's lane's (cuDNN must have passed
+    /// [`probe`]).
+    fn handle(&mut self, stream: dsys::CUstream) -> Result<sys::cudnnHandle_t, String> {
         if let Some(h) = self.handle {
             return Ok(h);
         }
         let handle = dnn::create_handle().map_err(|e| format!("cudnnCreate: {e:?}"))?;
         // SAFETY: a handle just created, and this thread's stream, in the same context.
-        unsafe { dnn::set_stream(handle, self.stream as sys::cudaStream_t) }
+        unsafe { dnn::set_stream(handle, stream as sys::cudaStream_t) }
             .map_err(|e| format!("cudnnSetStream: {e:?}"))?;
         self.handle = Some(handle);
         Ok(handle)
@@ -196,11 +175,10 @@ impl Dnn {
 
     /// The descriptors and algorithm of the convolution `key` describes, made on its
     /// first call.
-    fn conv(&mut self, key: &ConvKey) -> Result<Rc<Conv>, String> {
+    fn conv(&mut self, key: &ConvKey, handle: sys::cudnnHandle_t) -> Result<Rc<Conv>, String> {
         if let Some(known) = self.convs.get(key) {
             return known.clone();
         }
-        let handle = self.handle()?;
         let made = Descriptors::new(key).and_then(|descs| {
             let plan = choose(handle, key, &descs)?;
             Ok(Rc::new(Conv { descs, plan }))
@@ -217,23 +195,6 @@ impl Dnn {
         let made = Rc::new(NormDescriptors::new(key)?);
         self.norms.insert(key, made.clone());
         Ok(made)
-    }
-
-    /// This thread's hand-over flags, or `None` where they cannot be used.
-    fn handover(&mut self, client: &Client) -> Option<&mut Handover> {
-        let h = self
-            .handover
-            .get_or_insert_with(|| Handover::new(client).map_err(|e| warn_host_sync(&e)));
-        h.as_mut().ok()
-    }
-}
-
-fn warn_host_sync(e: &str) {
-    static WARNED: AtomicBool = AtomicBool::new(false);
-    if !WARNED.swap(true, Ordering::Relaxed) {
-        eprintln!(
-            "kiln: warning: cuDNN's stream cannot be ordered on the GPU ({e}); every convolution waits on the host instead (slower)"
-        );
     }
 }
 
@@ -442,102 +403,6 @@ fn choose(handle: sys::cudnnHandle_t, key: &ConvKey, d: &Descriptors) -> Result<
     Err(format!("cuDNN proposes no usable algorithm for {key:?}"))
 }
 
-/// Runs `work` on cubecl's device thread for `client`, with that thread's cuDNN state
-/// for GPU `ordinal`, and waits for it: one round trip from the calling (fusion)
-/// thread. On the device thread cubecl's own calls (buffer addresses, allocations,
-/// launches) run at once instead of each waiting for the thread's queue.
-fn on_device_thread<T: Send + 'static>(
-    client: &Client,
-    ordinal: usize,
-    work: impl FnOnce(&mut Dnn) -> Result<T, String> + Send,
-) -> Result<T, String> {
-    client
-        .exclusive(|| with_dnn(ordinal, work))
-        .map_err(|e| format!("cubecl's device thread: {e:?}"))?
-}
-
-/// Queues `call` on kiln's own CUDA stream for GPU `ordinal` with the device addresses
-/// of `buffers`, ordered against `client`'s cubecl stream as cuDNN's calls are (see
-/// [`Dnn::queue`]): for kiln's work that is not cuDNN's, the pinned upload
-/// (`ops::pinned`).
-pub(crate) fn on_kiln_stream(
-    client: &Client,
-    ordinal: usize,
-    buffers: &[Option<&Handle>],
-    call: impl FnOnce(dsys::CUstream, &[*mut c_void]) -> Result<(), String> + Send,
-) -> Result<(), String> {
-    on_device_thread(client, ordinal, |dnn| {
-        dnn.queue(client, buffers, After::Gpu, |dnn, p| call(dnn.stream, p))
-    })
-}
-
-impl Dnn {
-    /// Queues `call` on this thread's stream (cuDNN's) with the device addresses of
-    /// `buffers` (null for `None`), ordered on the GPU after the cubecl work queued so
-    /// far on `client`'s stream and before any queued after (`stream_order`; the host
-    /// waits instead with [`After::Host`] and where that cannot be set up). Runs on cubecl's device thread
-    /// ([`on_device_thread`]), which `Handover` relies on. The buffers stay allocated
-    /// while their resources are held.
-    fn queue(
-        &mut self,
-        client: &Client,
-        buffers: &[Option<&Handle>],
-        after: After,
-        call: impl FnOnce(&mut Dnn, &[*mut c_void]) -> Result<(), String>,
-    ) -> Result<(), String> {
-        let stream = self.stream;
-        let token = self.handover(client).and_then(|h| {
-            h.wait_for_cubecl(client, stream)
-                .inspect_err(|e| warn_host_sync(e))
-                .ok()
-        });
-        let resources = buffers
-            .iter()
-            .map(|b| {
-                b.map(|h| client.get_resource(h.clone()).map_err(|e| format!("{e:?}")))
-                    .transpose()
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        let pointers: Vec<*mut c_void> = resources
-            .iter()
-            .map(|r| {
-                r.as_ref()
-                    .map_or(std::ptr::null_mut(), |r| r.resource().ptr as *mut c_void)
-            })
-            .collect();
-        if token.is_none() {
-            // The inputs are complete once this thread's cubecl stream is.
-            block_on(client.sync()).map_err(|e| format!("{e:?}"))?;
-        }
-        let result = call(self, &pointers);
-        // Even when cuDNN reported an error: work it queued may still use the buffers,
-        // which cubecl may hand out again once this returns.
-        let ordered = match (token, self.handover(client)) {
-            (Some(t), Some(h)) if after == After::Gpu => h
-                .cubecl_waits_for(client, stream, t)
-                .inspect_err(|e| warn_host_sync(e))
-                .is_ok(),
-            _ => false,
-        };
-        let waited = if ordered {
-            Ok(())
-        } else {
-            // SAFETY: this thread's stream, created by `Dnn::new` and never destroyed.
-            unsafe { drv::stream::synchronize(stream) }.map_err(|e| format!("CUDA {e:?}"))
-        };
-        result.and(waited)
-    }
-}
-
-/// How cubecl's stream waits for the work [`Dnn::queue`] puts on kiln's.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum After {
-    /// On the GPU, behind a spinning kernel (`stream_order`).
-    Gpu,
-    /// The host waits for kiln's stream: for kernels that need every SM at once.
-    Host,
-}
-
 /// cuDNN's `alpha` and `beta` for "the result replaces the output" (1 and 0).
 fn write_scaling() -> (*const c_void, *const c_void) {
     static ONE: f32 = 1.0;
@@ -593,8 +458,9 @@ fn run(
     };
     let client = x.client.clone();
     let bytes = out_dims.iter().map(|&d| d as usize).product::<usize>() * x.dtype.size();
-    let out = on_device_thread(&client, x.device.index, |dnn| {
-        let conv = dnn.conv(&key)?;
+    let ordinal = x.device.index;
+    let out = on_cudnn(&client, ordinal, |dnn, lane, h| {
+        let conv = dnn.conv(&key, h)?;
         let (descs, plan) = (&conv.descs, conv.plan);
         let out = client.empty(bytes);
         let workspace = (plan.workspace > 0).then(|| client.empty(plan.workspace));
@@ -605,15 +471,14 @@ fn run(
             grad.as_ref().map(|g| &g.handle),
             workspace.as_ref(),
         ];
-        dnn.queue(&client, &buffers, After::Gpu, |dnn, p| {
-            let h = dnn.handle()?;
+        lane.queue(&client, &buffers, After::Gpu, |_, p| {
             let [px, pw, pout, pgrad, pws] = [p[0], p[1], p[2], p[3], p[4]];
             let (a, b) = write_scaling();
             let ws = plan.workspace;
             let err = |e: dnn::CudnnError| format!("{key:?}: {e:?}");
-            // SAFETY: the pointers are live device buffers of the sizes the descriptors
-            // state (contiguous, in the described layout, checked dtypes) and the workspace is as large as
-            // cuDNN asked (`queue` orders the stream).
+            // SAFETY: the pointers are live device buffers of the sizes the
+            // descriptors state (contiguous, in the described layout, checked dtypes)
+            // and the workspace is as large as cuDNN asked (`queue` orders the stream).
             unsafe {
                 dnn::set_convolution_math_type(descs.conv, plan.math).map_err(err)?;
                 match plan.algo {

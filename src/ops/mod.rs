@@ -9,6 +9,8 @@ mod conv;
 pub mod cudnn;
 #[cfg(feature = "cuda")]
 mod fusion;
+#[cfg(feature = "cuda")]
+mod kiln_stream;
 mod norm;
 #[cfg(feature = "cuda")]
 pub mod pinned;

@@ -8,7 +8,7 @@
 //! step (BENCHMARKS.md). Here the batch is copied once into page-locked memory (on
 //! several threads) and the copy engine reads it from there while the device thread
 //! goes on. The copy runs on kiln's stream, ordered against cubecl's as cuDNN's calls
-//! are (`cudnn::on_kiln_stream`).
+//! are (`kiln_stream::on_kiln_stream`).
 //!
 //! The buffers are kept in a pool and reused (pinning a new buffer locks each of its
 //! pages, slower than the copy). The driver hands a buffer back to the pool once the
@@ -27,7 +27,7 @@ use cubecl::Runtime;
 use cudarc::driver::{result as drv, sys as dsys};
 
 use super::UploadBackend;
-use super::cudnn::{cuda, make_primary_current, on_kiln_stream};
+use super::kiln_stream::{cuda, make_primary_current, on_kiln_stream};
 
 static PINNED: AtomicBool = AtomicBool::new(false);
 

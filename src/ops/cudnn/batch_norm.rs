@@ -12,10 +12,8 @@ use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
 use cudarc::cudnn::{result as dnn, sys};
 
-use super::{
-    After, Client, Tensor, data_type, dims, on_device_thread, tensor_format, warn_once,
-    write_scaling,
-};
+use super::{Tensor, data_type, dims, on_cudnn, tensor_format, warn_once, write_scaling};
+use crate::ops::kiln_stream::{After, Client};
 use crate::ops::norm::{grad_reference, train_reference};
 use crate::ops::{Layout, NormBackend};
 
@@ -193,12 +191,12 @@ fn norm_train(
 ) -> Result<[Tensor; 3], String> {
     let ([x, gamma, beta], key) = norm_inputs([x, gamma, beta], &[0], layout)?;
     let client = x.client.clone();
-    let [y, mean, inv_std] = on_device_thread(&client, x.device.index, |dnn| {
+    let ordinal = x.device.index;
+    let [y, mean, inv_std] = on_cudnn(&client, ordinal, |dnn, lane, h| {
         let descs = dnn.norm(key)?;
         let [y, mean, inv_std] = norm_buffers(&client, &x, &key);
         let buffers = [&x.handle, &gamma.handle, &beta.handle, &y, &mean, &inv_std].map(Some);
-        dnn.queue(&client, &buffers, key.after(), |dnn, p| {
-            let h = dnn.handle()?;
+        lane.queue(&client, &buffers, key.after(), |_, p| {
             let (a, b) = write_scaling();
             let null = std::ptr::null_mut();
             // SAFETY: contiguous buffers of the described shapes and dtypes; the running
@@ -245,7 +243,8 @@ fn norm_grad(
     let ([x, gamma, mean, inv_std, dy], key) =
         norm_inputs([x, gamma, mean, inv_std, dy], &[0, 4], layout)?;
     let client = x.client.clone();
-    let [dx, dgamma, dbeta] = on_device_thread(&client, x.device.index, |dnn| {
+    let ordinal = x.device.index;
+    let [dx, dgamma, dbeta] = on_cudnn(&client, ordinal, |dnn, lane, h| {
         let descs = dnn.norm(key)?;
         let [dx, dgamma, dbeta] = norm_buffers(&client, &x, &key);
         let buffers = [
@@ -259,8 +258,7 @@ fn norm_grad(
             &dbeta,
         ]
         .map(Some);
-        dnn.queue(&client, &buffers, key.after(), |dnn, p| {
-            let h = dnn.handle()?;
+        lane.queue(&client, &buffers, key.after(), |_, p| {
             let (a, b) = write_scaling();
             // SAFETY: contiguous buffers of the described shapes and dtypes; mean and
             // inverse deviation are the forward pass's, computed with the same epsilon.

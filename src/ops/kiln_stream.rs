@@ -1,0 +1,204 @@
+//! kiln's own CUDA stream per thread and device, and work queued on it in order with
+//! cubecl's: cuDNN's calls (`ops::cudnn`) and the page-locked upload (`ops::pinned`).
+//!
+//! cubecl keeps its streams private, so work on kiln's stream is ordered against the
+//! thread's cubecl stream on the GPU (`stream_order`), or, where that cannot be set
+//! up, by the host waiting for both. A call runs whole on cubecl's device thread
+//! (`ComputeClient::exclusive`): the device addresses of its buffers are known only
+//! there, and each question asked from the fusion thread that queues the call is a
+//! blocking round trip that waits for that thread's queue to drain.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::collections::hash_map::Entry;
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use burn::cubecl::cuda::CudaRuntime;
+use burn::cubecl::future::block_on;
+use burn::cubecl::server::Handle;
+use cudarc::driver::{result as drv, sys as dsys};
+
+use super::stream_order::Handover;
+
+pub(crate) type Client = burn::cubecl::client::ComputeClient<CudaRuntime>;
+
+/// kiln's stream on one device for one thread. Training calls run on cubecl's device
+/// thread, so each device has one; `cudnn::probe` makes its own on the caller's.
+pub(crate) struct Lane {
+    stream: dsys::CUstream,
+    context: dsys::CUcontext,
+    /// Made on the first call; `Err` where it could not be (its kernels did not compile
+    /// or load), which sends this thread's calls through host synchronisations.
+    handover: Option<Result<Handover, ()>>,
+}
+
+thread_local! {
+    // Kept until the thread ends, then leaked: a replica thread ends with its training,
+    // and destroying a stream after its context may be gone is worse than one stream
+    // per device and training.
+    static LANES: RefCell<HashMap<usize, Lane>> = RefCell::new(HashMap::new());
+}
+
+/// `f` with this thread's lane for GPU `ordinal` (made on first use), the device's
+/// primary context current.
+pub(crate) fn with_lane<T>(
+    ordinal: usize,
+    f: impl FnOnce(&mut Lane) -> Result<T, String>,
+) -> Result<T, String> {
+    LANES.with(|map| {
+        let mut map = map.borrow_mut();
+        let lane = match map.entry(ordinal) {
+            Entry::Occupied(e) => e.into_mut(),
+            Entry::Vacant(e) => e.insert(Lane::new(ordinal)?),
+        };
+        // SAFETY: the context was retained by `Lane::new` and is never released.
+        unsafe { drv::ctx::set_current(lane.context) }.map_err(cuda)?;
+        f(lane)
+    })
+}
+
+pub(crate) fn cuda(e: drv::DriverError) -> String {
+    format!("CUDA: {:?}", e.0)
+}
+
+/// GPU `ordinal`'s primary context, the one cubecl works in, made current on this
+/// thread. Retained again on every call (which only raises its reference count) and
+/// never released.
+pub(crate) fn make_primary_current(ordinal: usize) -> Result<dsys::CUcontext, String> {
+    drv::init().map_err(cuda)?;
+    let device = drv::device::get(ordinal as i32).map_err(cuda)?;
+    // SAFETY: retaining the primary context only raises its reference count; a context
+    // just retained can be made current.
+    unsafe {
+        let context = drv::primary_ctx::retain(device).map_err(cuda)?;
+        drv::ctx::set_current(context).map_err(cuda)?;
+        Ok(context)
+    }
+}
+
+/// Runs `work` on cubecl's device thread for `client`, with that thread's lane for GPU
+/// `ordinal`, and waits for it: one round trip from the calling (fusion) thread. On the
+/// device thread cubecl's own calls (buffer addresses, allocations, launches) run at
+/// once instead of each waiting for the thread's queue.
+pub(crate) fn on_device_thread<T: Send + 'static>(
+    client: &Client,
+    ordinal: usize,
+    work: impl FnOnce(&mut Lane) -> Result<T, String> + Send,
+) -> Result<T, String> {
+    client
+        .exclusive(|| with_lane(ordinal, work))
+        .map_err(|e| format!("cubecl's device thread: {e:?}"))?
+}
+
+/// Queues `call` on kiln's stream for GPU `ordinal` with the device addresses of
+/// `buffers`, ordered against `client`'s cubecl stream ([`Lane::queue`]): kiln's work
+/// that is not cuDNN's, the pinned upload (`ops::pinned`).
+pub(crate) fn on_kiln_stream(
+    client: &Client,
+    ordinal: usize,
+    buffers: &[Option<&Handle>],
+    call: impl FnOnce(dsys::CUstream, &[*mut c_void]) -> Result<(), String> + Send,
+) -> Result<(), String> {
+    on_device_thread(client, ordinal, |lane| {
+        lane.queue(client, buffers, After::Gpu, call)
+    })
+}
+
+/// How cubecl's stream waits for the work [`Lane::queue`] puts on kiln's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum After {
+    /// On the GPU, behind a spinning kernel (`stream_order`).
+    Gpu,
+    /// The host waits for kiln's stream: for kernels that need every SM at once.
+    Host,
+}
+
+impl Lane {
+    fn new(ordinal: usize) -> Result<Self, String> {
+        let context = make_primary_current(ordinal)?;
+        let stream = drv::stream::create(drv::stream::StreamKind::NonBlocking).map_err(cuda)?;
+        Ok(Lane {
+            stream,
+            context,
+            handover: None,
+        })
+    }
+
+    pub(crate) fn stream(&self) -> dsys::CUstream {
+        self.stream
+    }
+
+    /// This thread's hand-over flags, or `None` where they cannot be used.
+    fn handover(&mut self, client: &Client) -> Option<&mut Handover> {
+        let h = self
+            .handover
+            .get_or_insert_with(|| Handover::new(client).map_err(|e| warn_host_sync(&e)));
+        h.as_mut().ok()
+    }
+
+    /// Queues `call` on this lane's stream with the device addresses of `buffers` (null
+    /// for `None`), ordered on the GPU after the cubecl work queued so far on
+    /// `client`'s stream and before any queued after (`stream_order`; the host waits
+    /// instead with [`After::Host`] and where that cannot be set up). Runs on cubecl's
+    /// device thread ([`on_device_thread`]), which `Handover` relies on. The buffers
+    /// stay allocated while their resources are held.
+    pub(crate) fn queue(
+        &mut self,
+        client: &Client,
+        buffers: &[Option<&Handle>],
+        after: After,
+        call: impl FnOnce(dsys::CUstream, &[*mut c_void]) -> Result<(), String>,
+    ) -> Result<(), String> {
+        let stream = self.stream;
+        let token = self.handover(client).and_then(|h| {
+            h.wait_for_cubecl(client, stream)
+                .inspect_err(|e| warn_host_sync(e))
+                .ok()
+        });
+        let resources = buffers
+            .iter()
+            .map(|b| {
+                b.map(|h| client.get_resource(h.clone()).map_err(|e| format!("{e:?}")))
+                    .transpose()
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let pointers: Vec<*mut c_void> = resources
+            .iter()
+            .map(|r| {
+                r.as_ref()
+                    .map_or(std::ptr::null_mut(), |r| r.resource().ptr as *mut c_void)
+            })
+            .collect();
+        if token.is_none() {
+            // The inputs are complete once this thread's cubecl stream is.
+            block_on(client.sync()).map_err(|e| format!("{e:?}"))?;
+        }
+        let result = call(stream, &pointers);
+        // Even when the call reported an error: work it queued may still use the
+        // buffers, which cubecl may hand out again once this returns.
+        let ordered = match (token, self.handover(client)) {
+            (Some(t), Some(h)) if after == After::Gpu => h
+                .cubecl_waits_for(client, stream, t)
+                .inspect_err(|e| warn_host_sync(e))
+                .is_ok(),
+            _ => false,
+        };
+        let waited = if ordered {
+            Ok(())
+        } else {
+            // SAFETY: this lane's stream, created by `Lane::new` and never destroyed.
+            unsafe { drv::stream::synchronize(stream) }.map_err(|e| format!("CUDA {e:?}"))
+        };
+        result.and(waited)
+    }
+}
+
+fn warn_host_sync(e: &str) {
+    static WARNED: AtomicBool = AtomicBool::new(false);
+    if !WARNED.swap(true, Ordering::Relaxed) {
+        eprintln!(
+            "kiln: warning: kiln's CUDA stream cannot be ordered on the GPU ({e}); every cuDNN call and page-locked upload waits on the host instead (slower)"
+        );
+    }
+}
