@@ -68,3 +68,8 @@ pub fn max_diff(a: &[f32], b: &[f32]) -> f32 {
         .map(|(x, y)| (x - y).abs())
         .fold(0.0, f32::max)
 }
+
+/// [`max_diff`] relative to the reference `b`'s largest magnitude (at least 1e-6).
+pub fn rel_diff(a: &[f32], b: &[f32]) -> f32 {
+    max_diff(a, b) / b.iter().fold(1e-6f32, |m, v| m.max(v.abs()))
+}

@@ -38,6 +38,11 @@ impl Compute {
         Compute { precision, layout }
     }
 
+    /// What `train.precision` and `train.channels_last` ask for.
+    pub fn of(train: &crate::config::TrainConfig) -> Self {
+        Compute::new(train.precision, train.channels_last)
+    }
+
     /// The dtype of the activations between layers: the compute dtype channels-last,
     /// fp32 (`None`) otherwise.
     pub fn activation_dtype(&self) -> Option<FloatDType> {
@@ -76,17 +81,13 @@ pub fn conv<B: ConvBackend>(conv: &Conv2d<B>, x: Tensor<B, 4>, c: Compute) -> Te
     debug_assert!(top == bottom && left == right && conv.bias.is_none());
     let options = ConvOptions::new(conv.stride, [top, left], conv.dilation, conv.groups);
     // Burn keeps the weight as KCRS; channels-last convolutions take KRSC.
-    let laid_out = |w: Tensor<B, 4>| match c.layout {
-        Layout::Nchw => w,
-        Layout::Nhwc => w.permute([0, 2, 3, 1]),
-    };
     let Some(low) = compute_dtype(c.precision) else {
-        return conv2d(x, laid_out(conv.weight.val()), options, c.layout);
+        return conv2d(x, c.layout.laid_out(conv.weight.val()), options, c.layout);
     };
     let dtype = x.dtype();
     let y = conv2d(
         x.cast(low),
-        laid_out(conv.weight.val().cast(low)),
+        c.layout.laid_out(conv.weight.val().cast(low)),
         options,
         c.layout,
     );

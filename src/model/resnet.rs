@@ -124,19 +124,16 @@ impl<B: ModelBackend> ResNet<B> {
     pub fn forward(&self, images: Tensor<B, 4>) -> Tensor<B, 2> {
         let c = self.compute;
         let layout = c.layout;
-        let images = match (layout, c.activation_dtype()) {
-            (Layout::Nchw, _) => images,
-            (Layout::Nhwc, None) => images.permute([0, 2, 3, 1]),
-            (Layout::Nhwc, Some(low)) => images.cast(low).permute([0, 2, 3, 1]),
+        let images = match c.activation_dtype() {
+            Some(low) => images.cast(low),
+            None => images,
         };
+        let images = layout.laid_out(images);
         let stem = precision::conv(&self.stem_conv, images, c);
         let mut x = relu(batch_norm(&self.stem_bn, stem, layout));
         if let Some(pool) = &self.stem_pool {
             // Burn's max pool takes NCHW: a view there and back.
-            x = match layout {
-                Layout::Nchw => pool.forward(x),
-                Layout::Nhwc => pool.forward(x.permute([0, 3, 1, 2])).permute([0, 2, 3, 1]),
-            };
+            x = layout.laid_out(pool.forward(layout.nchw(x)));
         }
         for block in &self.blocks {
             x = block.forward(x, c);
@@ -191,7 +188,7 @@ mod tests {
     #[test]
     fn channels_last_computes_the_same_network() {
         use crate::config::Precision;
-        use crate::test_util::max_diff;
+        use crate::test_util::rel_diff;
         use burn::module::AutodiffModule;
         let _rng = rng_lock();
         let dev = device();
@@ -233,21 +230,20 @@ mod tests {
                     f.into_data().to_vec::<f32>().unwrap(),
                 ]
             });
-            // Relative to the reference's largest value.
-            let rel = |a: &[f32], b: &[f32]| {
-                max_diff(a, b) / b.iter().fold(1e-6f32, |m, v| m.max(v.abs()))
-            };
-            assert!(rel(&y2, &y) < 1e-3, "{arch:?}: logits {y:?} vs {y2:?}");
-            assert!(rel(&e2, &e) < 1e-3, "{arch:?}: inference");
-            assert!(rel(&f2, &f) < 1e-3, "{arch:?}: classifier weight gradient");
-            let stem = rel(&w2, &w);
+            assert!(rel_diff(&y2, &y) < 1e-3, "{arch:?}: logits {y:?} vs {y2:?}");
+            assert!(rel_diff(&e2, &e) < 1e-3, "{arch:?}: inference");
+            assert!(
+                rel_diff(&f2, &f) < 1e-3,
+                "{arch:?}: classifier weight gradient"
+            );
+            let stem = rel_diff(&w2, &w);
             assert!(
                 stem < stem_tol,
                 "{arch:?}: stem weight gradient off by {stem}"
             );
             if let Some(tol) = bf16_tol {
-                assert!(rel(&y3, &y) < tol, "{arch:?}: bf16 {y:?} vs {y3:?}");
-                assert!(rel(&e3, &e) < tol, "{arch:?}: bf16 inference");
+                assert!(rel_diff(&y3, &y) < tol, "{arch:?}: bf16 {y:?} vs {y3:?}");
+                assert!(rel_diff(&e3, &e) < tol, "{arch:?}: bf16 inference");
             }
         }
     }

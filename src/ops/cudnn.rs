@@ -593,6 +593,7 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> ConvBackend
 mod tests {
     use super::*;
     use crate::ops::conv2d;
+    use crate::test_util::rel_diff;
     use burn::backend::Autodiff;
     use burn::backend::cuda::{Cuda, CudaDevice};
     use burn::tensor::{Distribution, FloatDType, Tensor as T};
@@ -656,11 +657,10 @@ mod tests {
                     .iter()
                     .zip(ours.iter().zip(&burn))
                 {
-                    let scale = b.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
-                    let diff = a.iter().zip(b).fold(0f32, |m, (p, q)| m.max((p - q).abs()));
+                    let rel = rel_diff(a, b);
                     assert!(
-                        diff / scale < tol,
-                        "{dtype:?} {layout:?} stride {stride} size {size}: {part} differs by {diff} (scale {scale})"
+                        rel < tol,
+                        "{dtype:?} {layout:?} stride {stride} size {size}: {part} differs by {rel} relative"
                     );
                 }
             }

@@ -85,6 +85,29 @@ impl Layout {
             Layout::Nhwc => B::float_permute(t, &[0, 2, 3, 1]),
         }
     }
+
+    /// [`Layout::nchw_view`] of a tensor.
+    pub fn nchw<B: burn::tensor::backend::Backend>(
+        self,
+        t: burn::tensor::Tensor<B, 4>,
+    ) -> burn::tensor::Tensor<B, 4> {
+        float_tensor(self.nchw_view::<B>(t.into_primitive().tensor()))
+    }
+
+    /// [`Layout::laid_out_view`] of a tensor: an NCHW activation (or KCRS weight) in
+    /// this layout.
+    pub fn laid_out<B: burn::tensor::backend::Backend>(
+        self,
+        t: burn::tensor::Tensor<B, 4>,
+    ) -> burn::tensor::Tensor<B, 4> {
+        float_tensor(self.laid_out_view::<B>(t.into_primitive().tensor()))
+    }
+}
+
+fn float_tensor<B: burn::tensor::backend::Backend>(
+    t: burn::tensor::ops::FloatTensor<B>,
+) -> burn::tensor::Tensor<B, 4> {
+    burn::tensor::Tensor::from_primitive(burn::tensor::TensorPrimitive::Float(t))
 }
 
 /// The output shape of a convolution of `x` by `weight`, all three in `layout`

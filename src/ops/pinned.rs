@@ -19,8 +19,8 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use burn::cubecl::cuda::CudaRuntime;
-use burn::tensor::ops::{FloatTensor, FloatTensorOps};
-use burn::tensor::{DType, Shape, TensorData};
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{DType, Shape};
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
 use cubecl::Runtime;
@@ -28,6 +28,7 @@ use cudarc::driver::{result as drv, sys as dsys};
 
 use super::UploadBackend;
 use super::kiln_stream::{cuda, make_primary_current, on_kiln_stream};
+use super::upload::pageable_upload;
 
 static PINNED: AtomicBool = AtomicBool::new(false);
 
@@ -191,8 +192,7 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> UploadBackend
                 Err(e) => warn_unpinned(&e),
             }
         }
-        let len = values.len();
-        Self::float_from_data(TensorData::new(values, [len]), device)
+        pageable_upload::<Self>(values, device)
     }
 }
 

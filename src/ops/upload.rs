@@ -12,9 +12,15 @@ use burn::tensor::{Tensor, TensorData, TensorPrimitive};
 pub trait UploadBackend: Backend {
     /// `values` on `device` as a flat f32 tensor.
     fn upload_f32(values: Vec<f32>, device: &Self::Device) -> FloatTensor<Self> {
-        let len = values.len();
-        Self::float_from_data(TensorData::new(values, [len]), device)
+        pageable_upload::<Self>(values, device)
     }
+}
+
+/// Burn's own upload of `values` (`from_data`, from pageable memory), flat: the default,
+/// and the CUDA backend's without page-locked staging.
+pub(crate) fn pageable_upload<B: Backend>(values: Vec<f32>, device: &B::Device) -> FloatTensor<B> {
+    let len = values.len();
+    B::float_from_data(TensorData::new(values, [len]), device)
 }
 
 impl UploadBackend for Flex {}

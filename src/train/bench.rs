@@ -81,7 +81,7 @@ impl BackendJob for BenchJob {
         B::seed(&device, cfg.train.seed);
         let mut model = spec
             .init::<B>(&device)
-            .with_compute(Compute::new(cfg.train.precision, cfg.train.channels_last));
+            .with_compute(Compute::of(&cfg.train));
         let mut optim = Optim::<ResNet<B>, B>::new(&cfg.optim);
         let (loader, _) = self
             .dataset

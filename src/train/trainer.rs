@@ -181,7 +181,7 @@ pub fn fit<B: TrainBackend>(
     B::seed(&device, cfg.train.seed);
     let mut model = spec
         .init::<B>(&device)
-        .with_compute(Compute::new(cfg.train.precision, cfg.train.channels_last));
+        .with_compute(Compute::of(&cfg.train));
     let mut optim = Optim::<ResNet<B>, B>::new(&cfg.optim);
     let mut state = TrainState::new(spec, job.dataset.classes.clone(), job.devices.clone());
     state.config_sha256 = cfg.training_hash();

@@ -41,7 +41,7 @@ impl BackendJob for WarmupJob {
         B::seed(&device, cfg.train.seed);
         let mut model = model_spec(cfg, &self.dataset)
             .init::<B>(&device)
-            .with_compute(Compute::new(cfg.train.precision, cfg.train.channels_last));
+            .with_compute(Compute::of(&cfg.train));
         let mut optim = Optim::<ResNet<B>, B>::new(&cfg.optim);
         let (train, test) = self
             .dataset

@@ -343,6 +343,7 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> NormBackend
 mod tests {
     use super::super::probe;
     use super::*;
+    use crate::test_util::rel_diff;
     use burn::backend::Autodiff;
     use burn::backend::cuda::{Cuda, CudaDevice};
     use burn::tensor::{Distribution, FloatDType, Tensor as T};
@@ -415,11 +416,10 @@ mod tests {
             let ours = norm(true, layout, dtype);
             let burn = norm(false, layout, dtype);
             for (name, (a, b)) in names.iter().zip(ours.iter().zip(&burn)) {
-                let scale = b.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
-                let diff = a.iter().zip(b).fold(0f32, |m, (p, q)| m.max((p - q).abs()));
+                let rel = rel_diff(a, b);
                 assert!(
-                    diff / scale < tol,
-                    "{layout:?} {dtype:?}: {name} differs by {diff} (scale {scale})"
+                    rel < tol,
+                    "{layout:?} {dtype:?}: {name} differs by {rel} relative"
                 );
             }
         }
