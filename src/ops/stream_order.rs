@@ -20,7 +20,7 @@
 //! on one SM while cuDNN works, so a cuDNN kernel that needs every SM's full capacity
 //! at once (a cooperative launch) never finishes. cuDNN's persistent batch norm, which
 //! channels-last uses, is one (its first ResNet step never ended): those calls skip
-//! step 3 and the host waits for kiln's stream (`cudnn::After::Host`). No
+//! step 3 and the host waits for kiln's stream (`kiln_stream::After::Host`). No
 //! convolution hung in the shapes measured (ResNet-18 and -50 and the correctness
 //! test); should one, the step watchdog ends the process and the supervisor restarts
 //! it from its checkpoint.
