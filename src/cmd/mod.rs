@@ -24,25 +24,6 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     }
 }
 
-/// Why `kiln train` and `kiln warmup` refuse `train.channels_last = true` on CUDA
-/// (BENCHMARKS.md, "Tenth session"); `kiln bench --channels-last` still measures it.
-pub(crate) const CHANNELS_LAST_IS_SLOWER: &str = "train.channels_last = true is refused for \
-training on CUDA: in this build channels-last trains several times slower than NCHW (on an \
-H200, ResNet-50 at 224 px: 301 img/s in fp32 against 1,359-1,665 in NCHW; ResNet-18 at 32 \
-px in bf16: 441 img/s) and where its time goes is not yet known. `kiln bench \
---channels-last` measures it. Set train.channels_last = false to train";
-
-/// `train.channels_last` cannot serve a run on CUDA yet ([`CHANNELS_LAST_IS_SLOWER`]).
-pub(crate) fn refuse_channels_last(
-    config: &crate::config::Config,
-    plan: &crate::device::DevicePlan,
-) -> anyhow::Result<()> {
-    if config.train.channels_last && matches!(plan, crate::device::DevicePlan::Cuda { .. }) {
-        return Err(crate::exit::UsageError(CHANNELS_LAST_IS_SLOWER.into()).into());
-    }
-    Ok(())
-}
-
 /// Where kernels are cached, how they are tuned, what cuDNN runs (convolutions,
 /// BatchNorm) and how batches are uploaded, from the config and the plan (cuDNN is
 /// looked for on the first GPU).
@@ -50,8 +31,8 @@ fn kernel_settings(
     config: &crate::config::Config,
     plan: &crate::device::DevicePlan,
 ) -> anyhow::Result<crate::train::backend::KernelSettings> {
-    use crate::config::{BatchNormKernels, Convolution, Precision};
-    use crate::train::backend::{CudnnRoute, probe_cudnn, probe_cudnn_batch_norm};
+    use crate::config::{BatchNormKernels, Convolution};
+    use crate::train::backend::{probe_cudnn, probe_cudnn_batch_norm};
     let (conv, norm) = (config.train.convolution, config.train.batch_norm);
     let probe = match plan {
         crate::device::DevicePlan::Cuda { gpus, .. }
@@ -63,22 +44,11 @@ fn kernel_settings(
     };
     let install = "Install cuDNN 9 (e.g. `pip install nvidia-cudnn-cu12`) and add its lib \
                    directory to LD_LIBRARY_PATH";
-    let cudnn = match (&probe, conv) {
-        (None, _) | (_, Convolution::Burn) => CudnnRoute::None,
-        (Some(Ok(version)), Convolution::Cudnn) => {
+    let cudnn_convolutions = match (&probe, conv) {
+        (None, _) | (_, Convolution::Burn) => false,
+        (Some(Ok(version)), _) => {
             eprintln!("kiln: convolutions: cuDNN {version}");
-            CudnnRoute::All
-        }
-        (Some(Ok(version)), Convolution::Auto) => {
-            let low = config.train.precision != Precision::Fp32;
-            let note = if low && !config.train.channels_last {
-                " for fp32; NCHW bf16/fp16 on Burn's kernels, faster there \
-                 (train.channels_last = true runs them on cuDNN)"
-            } else {
-                ""
-            };
-            eprintln!("kiln: convolutions: cuDNN {version}{note}");
-            CudnnRoute::Auto
+            true
         }
         (Some(Err(why)), Convolution::Cudnn) => anyhow::bail!(
             "train.convolution = \"cudnn\" but cuDNN cannot be used: {why}. {install}, or set \
@@ -86,7 +56,7 @@ fn kernel_settings(
         ),
         (Some(Err(why)), Convolution::Auto) => {
             eprintln!("kiln: convolutions: Burn's kernels (cuDNN: {why})");
-            CudnnRoute::None
+            false
         }
     };
     let usable = probe.map(|p| p.and_then(|_| probe_cudnn_batch_norm()));
@@ -106,11 +76,11 @@ fn kernel_settings(
         }
     };
     let on_cuda = matches!(plan, crate::device::DevicePlan::Cuda { .. });
-    if on_cuda && config.train.channels_last && (cudnn == CudnnRoute::None || !cudnn_batch_norm) {
+    if on_cuda && config.train.channels_last && (!cudnn_convolutions || !cudnn_batch_norm) {
         anyhow::bail!(
             "train.channels_last = true needs cuDNN's convolutions and batch norm on CUDA: \
              Burn's kernels take NCHW, and through channels-last views ResNet-50 trained at \
-             52 img/s on an H200, against 1,665 in NCHW. Set train.channels_last = false, or \
+             52 img/s in bf16 on an H200, against 1,262 with cuDNN. Set train.channels_last = false, or \
              let cuDNN run both (train.convolution and train.batch_norm \"auto\" or \
              \"cudnn\"; {install})"
         );
@@ -118,7 +88,7 @@ fn kernel_settings(
     Ok(crate::train::backend::KernelSettings {
         cache_dir: crate::device::kernel_cache_dir(&config.devices.cache_dir),
         autotune: config.train.autotune,
-        cudnn,
+        cudnn_convolutions,
         cudnn_batch_norm,
         // Applied by the CUDA backend only; the CPU uploads nothing.
         pinned_uploads: config.data.pin_memory,

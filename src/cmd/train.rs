@@ -68,7 +68,6 @@ fn train_here(args: TrainArgs) -> anyhow::Result<ExitCode> {
     if config.train.deterministic && matches!(plan, DevicePlan::Cuda { .. }) {
         return Err(UsageError(NOT_DETERMINISTIC_ON_CUDA.into()).into());
     }
-    super::refuse_channels_last(&config, &plan)?;
     let run_dir = match (&resume_dir, &args.run_dir) {
         (Some(dir), _) => dir.clone(),
         (None, Some(dir)) => dir.clone(),

@@ -16,7 +16,6 @@ pub fn run(args: WarmupArgs) -> anyhow::Result<ExitCode> {
     }
     let config = config::load(&args.config, &sets)?;
     let plan = super::plan_devices(&config.devices)?;
-    super::refuse_channels_last(&config, &plan)?;
     if let DevicePlan::Cpu { .. } = plan {
         eprintln!("kiln warmup: the CPU backend compiles nothing ahead: nothing to warm up");
         return Ok(ExitCode::SUCCESS);

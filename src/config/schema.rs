@@ -186,10 +186,8 @@ pub enum Autotune {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Convolution {
-    /// cuDNN for fp32 convolutions and for channels-last ones of every precision when
-    /// it can be loaded (`libcudnn.so.9` on the library path), otherwise Burn's kernels,
-    /// with a note saying why. NCHW bf16 and fp16 convolutions stay on Burn's kernels,
-    /// which measured faster than cuDNN's there.
+    /// cuDNN when it can be loaded (`libcudnn.so.9` on the library path), otherwise
+    /// Burn's kernels, with a note saying why.
     Auto,
     /// cuDNN for every precision, or an error before training starts when it cannot
     /// be loaded.

@@ -23,7 +23,7 @@ use std::collections::HashMap;
 use std::ffi::c_void;
 use std::mem::MaybeUninit;
 use std::rc::Rc;
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use burn::cubecl::cuda::CudaRuntime;
 use burn::tensor::ops::{ConvOptions, FloatTensor};
@@ -36,7 +36,7 @@ use cudarc::driver::sys as dsys;
 
 use super::conv::burn_conv2d;
 use super::kiln_stream::{After, Client, Lane, on_device_thread, with_lane};
-use super::{ConvBackend, CudnnRoute, Layout, Part, conv2d_output_dims};
+use super::{ConvBackend, Layout, Part, conv2d_output_dims};
 
 mod batch_norm;
 use batch_norm::{NormDescriptors, NormKey};
@@ -48,20 +48,18 @@ type Tensor = CubeTensor<CudaRuntime>;
 /// over for cuDNN's next proposal.
 const MAX_WORKSPACE: usize = 1 << 30;
 
-static ROUTE: AtomicU8 = AtomicU8::new(0);
+const TENSOR_OP: sys::cudnnMathType_t = sys::cudnnMathType_t::CUDNN_TENSOR_OP_MATH;
 
-/// Routes the CUDA backend's convolutions (after [`probe`] succeeded). Set once,
-/// before training.
-pub fn set_route(route: CudnnRoute) {
-    ROUTE.store(route as u8, Ordering::Relaxed);
+static CONVOLUTIONS: AtomicBool = AtomicBool::new(false);
+
+/// Whether the CUDA backend's convolutions run on cuDNN (after [`probe`] succeeded),
+/// in every dtype and layout. Set once, before training.
+pub fn set_convolutions(on: bool) {
+    CONVOLUTIONS.store(on, Ordering::Relaxed);
 }
 
-fn routed(dtype: DType, layout: Layout) -> bool {
-    match ROUTE.load(Ordering::Relaxed) {
-        r if r == CudnnRoute::All as u8 => true,
-        r if r == CudnnRoute::Auto as u8 => dtype == DType::F32 || layout == Layout::Nhwc,
-        _ => false,
-    }
+fn routed() -> bool {
+    CONVOLUTIONS.load(Ordering::Relaxed)
 }
 
 /// Whether cuDNN can be loaded and can plan a convolution on GPU `ordinal`: its
@@ -188,11 +186,15 @@ impl Dnn {
     }
 
     /// The descriptors of batch normalisation over the input `key` describes.
-    fn norm(&mut self, key: NormKey) -> Result<Rc<NormDescriptors>, String> {
+    fn norm(
+        &mut self,
+        key: NormKey,
+        handle: sys::cudnnHandle_t,
+    ) -> Result<Rc<NormDescriptors>, String> {
         if let Some(known) = self.norms.get(&key) {
             return Ok(known.clone());
         }
-        let made = Rc::new(NormDescriptors::new(key)?);
+        let made = Rc::new(NormDescriptors::new(key, handle)?);
         self.norms.insert(key, made.clone());
         Ok(made)
     }
@@ -325,11 +327,22 @@ enum Algo {
 }
 
 /// cuDNN's heuristic choice (what PyTorch uses without `cudnn.benchmark`): the first
-/// proposal that is supported and whose workspace fits.
+/// proposal that is supported and whose workspace fits, for bf16 and fp16 among those
+/// on the tensor cores first.
+///
+/// The legacy heuristics rank half-precision proposals with `CUDNN_DEFAULT_MATH`
+/// first, which for bf16 and fp16 means no tensor cores: an H200 profile (Nsight
+/// Compute, ResNet-18 bf16) showed cuDNN converting to f32 for FMA kernels and a
+/// direct data-gradient kernel that took 87% of the step, where PyTorch (which asks
+/// for tensor-op math on half types) ran cuDNN's `sm90_xmma` bf16 kernels.
 fn choose(handle: sys::cudnnHandle_t, key: &ConvKey, d: &Descriptors) -> Result<Plan, String> {
     let ok = sys::cudnnStatus_t::CUDNN_STATUS_SUCCESS;
     let err = |e: dnn::CudnnError| format!("choosing an algorithm for {key:?}: {e:?}");
     let mut count = 0;
+    if key.data != sys::cudnnDataType_t::CUDNN_DATA_FLOAT {
+        // SAFETY: a live descriptor; the heuristics read the math type it carries.
+        unsafe { dnn::set_convolution_math_type(d.conv, TENSOR_OP) }.map_err(err)?;
+    }
     // SAFETY: descriptors and handle are alive; cuDNN writes at most the requested
     // number of (plain-data) results, `count` of which are read.
     // The three queries differ only in their types and descriptor order.
@@ -371,6 +384,14 @@ fn choose(handle: sys::cudnnHandle_t, key: &ConvKey, d: &Descriptors) -> Result<
                 d.w
             ),
         }
+    };
+    let proposals = if key.data == sys::cudnnDataType_t::CUDNN_DATA_FLOAT {
+        proposals
+    } else {
+        // Each algorithm on the tensor cores first, in cuDNN's order, then cuDNN's
+        // own pairs, should the workspace query refuse one.
+        let on_tensor_cores = proposals.iter().map(|&(algo, _)| (algo, TENSOR_OP));
+        on_tensor_cores.chain(proposals.iter().copied()).collect()
     };
     for (algo, math) in proposals {
         // SAFETY: as above; the math type is set before the workspace is asked for,
@@ -510,7 +531,7 @@ fn run(
 }
 
 /// One part of the convolution: cuDNN's result, or Burn's kernels' when cuDNN is not
-/// routed this dtype and layout or failed (a failure is reported once).
+/// routed there or failed (a failure is reported once).
 fn convolve<F: FloatElement, I: IntElement, BT: BoolElement>(
     part: Part,
     x: Tensor,
@@ -520,7 +541,7 @@ fn convolve<F: FloatElement, I: IntElement, BT: BoolElement>(
     layout: Layout,
 ) -> Tensor {
     static WARNED: AtomicBool = AtomicBool::new(false);
-    let ours = routed(x.dtype, layout)
+    let ours = routed()
         .then(|| {
             let result = run(part, &x, &w, grad.as_ref(), &options, layout);
             warn_once(result, &WARNED, "a convolution", "kernels")
@@ -603,13 +624,13 @@ mod tests {
     /// Channels-last runs take NHWC / KRSC views of the same NCHW leaves and hand an
     /// NCHW view of the output back, so both layouts compare with Burn's NCHW result.
     fn run(
-        route: CudnnRoute,
+        cudnn: bool,
         dtype: FloatDType,
         layout: Layout,
         stride: usize,
         size: usize,
     ) -> [Vec<f32>; 3] {
-        set_route(route);
+        set_convolutions(cudnn);
         let dev = CudaDevice::new(0);
         <B as burn::tensor::backend::Backend>::seed(&dev, 7);
         let normal = Distribution::Normal(0.0, 1.0);
@@ -651,8 +672,8 @@ mod tests {
         ];
         for (dtype, layout, tol) in cases {
             for (stride, size) in [(1, 9), (2, 7), (2, 8)] {
-                let ours = run(CudnnRoute::All, dtype, layout, stride, size);
-                let burn = run(CudnnRoute::None, dtype, Layout::Nchw, stride, size);
+                let ours = run(true, dtype, layout, stride, size);
+                let burn = run(false, dtype, Layout::Nchw, stride, size);
                 for (part, (a, b)) in ["output", "input grad", "weight grad"]
                     .iter()
                     .zip(ours.iter().zip(&burn))
@@ -665,6 +686,6 @@ mod tests {
                 }
             }
         }
-        set_route(CudnnRoute::None);
+        set_convolutions(false);
     }
 }

@@ -132,18 +132,6 @@ pub(crate) fn conv2d_output_dims(
     layout.laid_out_dims([x[0], weight[0], out(0), out(1)])
 }
 
-/// Which convolutions run on cuDNN on CUDA; the others run on Burn's kernels.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CudnnRoute {
-    None,
-    /// f32 in either layout, and every dtype channels-last. On an H200, cuDNN's
-    /// bfloat16 and float16 convolutions on NCHW tensors measured slower than Burn's own
-    /// (BENCHMARKS.md, "cuDNN convolutions").
-    Auto,
-    /// f32, bfloat16 and float16.
-    All,
-}
-
 /// The three parts of a convolution a backend can replace.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

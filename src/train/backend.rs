@@ -6,7 +6,6 @@
 
 use std::path::PathBuf;
 
-pub use crate::ops::CudnnRoute;
 use crate::ops::TrainBackend;
 use burn::backend::Autodiff;
 use burn::backend::autodiff::checkpoint::strategy::{
@@ -24,10 +23,10 @@ pub struct KernelSettings {
     pub cache_dir: PathBuf,
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub autotune: Autotune,
-    /// Which convolutions run on cuDNN (after [`probe_cudnn`] succeeded) instead of
+    /// Whether convolutions run on cuDNN (after [`probe_cudnn`] succeeded) instead of
     /// Burn's kernels.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    pub cudnn: CudnnRoute,
+    pub cudnn_convolutions: bool,
     /// Whether BatchNorm's training pass runs on cuDNN (after
     /// [`probe_cudnn_batch_norm`] succeeded).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
@@ -142,7 +141,7 @@ mod cuda {
                 Autotune::Full => AutotuneLevel::Full,
             };
             CubeClRuntimeConfig::set(cfg);
-            crate::ops::cudnn::set_route(kernels.cudnn);
+            crate::ops::cudnn::set_convolutions(kernels.cudnn_convolutions);
             crate::ops::cudnn::set_batch_norm(kernels.cudnn_batch_norm);
             crate::ops::pinned::set_pinned(kernels.pinned_uploads);
         });
