@@ -12,13 +12,15 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Instant;
 
 use burn::cubecl::cuda::CudaRuntime;
 use burn::cubecl::future::block_on;
 use burn::cubecl::server::Handle;
 use cudarc::driver::{result as drv, sys as dsys};
 
+use super::HostWaits;
 use super::stream_order::Handover;
 
 pub(crate) type Client = burn::cubecl::client::ComputeClient<CudaRuntime>;
@@ -86,9 +88,62 @@ pub(crate) fn on_device_thread<T: Send + 'static>(
     ordinal: usize,
     work: impl FnOnce(&mut Lane) -> Result<T, String> + Send,
 ) -> Result<T, String> {
-    client
-        .exclusive(|| with_lane(ordinal, work))
-        .map_err(|e| format!("cubecl's device thread: {e:?}"))?
+    let start = Instant::now();
+    let result = client
+        .exclusive(|| {
+            let started = Instant::now();
+            let done = with_lane(ordinal, work);
+            ON_DEVICE_THREAD.add(started);
+            done
+        })
+        .map_err(|e| format!("cubecl's device thread: {e:?}"));
+    ROUND_TRIPS.add(start);
+    result?
+}
+
+/// How many waits of one kind there were and how long they took, in nanoseconds.
+struct WaitCounter {
+    count: AtomicU64,
+    nanos: AtomicU64,
+}
+
+impl WaitCounter {
+    const fn new() -> Self {
+        WaitCounter {
+            count: AtomicU64::new(0),
+            nanos: AtomicU64::new(0),
+        }
+    }
+
+    fn add(&self, start: Instant) {
+        let nanos = start.elapsed().as_nanos() as u64;
+        self.count.fetch_add(1, Ordering::Relaxed);
+        self.nanos.fetch_add(nanos, Ordering::Relaxed);
+    }
+
+    fn read(&self) -> (u64, f64) {
+        let nanos = self.nanos.load(Ordering::Relaxed);
+        (self.count.load(Ordering::Relaxed), nanos as f64 * 1e-9)
+    }
+}
+
+static ROUND_TRIPS: WaitCounter = WaitCounter::new();
+/// Of the round trips, the part spent in kiln's work once the device thread reached it.
+static ON_DEVICE_THREAD: WaitCounter = WaitCounter::new();
+static HOST_SYNCS: WaitCounter = WaitCounter::new();
+
+/// The waits of every thread so far (`ops::host_waits`).
+pub(crate) fn host_waits() -> HostWaits {
+    let (round_trips, round_trip_s) = ROUND_TRIPS.read();
+    let (_, work_s) = ON_DEVICE_THREAD.read();
+    let (host_syncs, host_sync_s) = HOST_SYNCS.read();
+    HostWaits {
+        round_trips,
+        round_trip_s,
+        work_s,
+        host_syncs,
+        host_sync_s,
+    }
 }
 
 /// Queues `call` on kiln's stream for GPU `ordinal` with the device addresses of
@@ -172,7 +227,10 @@ impl Lane {
             .collect();
         if token.is_none() {
             // The inputs are complete once this thread's cubecl stream is.
-            block_on(client.sync()).map_err(|e| format!("{e:?}"))?;
+            let start = Instant::now();
+            let synced = block_on(client.sync()).map_err(|e| format!("{e:?}"));
+            HOST_SYNCS.add(start);
+            synced?;
         }
         let result = call(stream, &pointers);
         // Even when the call reported an error: work it queued may still use the
@@ -187,8 +245,11 @@ impl Lane {
         let waited = if ordered {
             Ok(())
         } else {
+            let start = Instant::now();
             // SAFETY: this lane's stream, created by `Lane::new` and never destroyed.
-            unsafe { drv::stream::synchronize(stream) }.map_err(|e| format!("CUDA {e:?}"))
+            let synced = unsafe { drv::stream::synchronize(stream) };
+            HOST_SYNCS.add(start);
+            synced.map_err(|e| format!("CUDA {e:?}"))
         };
         result.and(waited)
     }

@@ -132,6 +132,43 @@ pub(crate) fn conv2d_output_dims(
     layout.laid_out_dims([x[0], weight[0], out(0), out(1)])
 }
 
+/// What the threads that queue GPU work spent in kiln's own waits so far: the round
+/// trips to cubecl's device thread that every cuDNN call and page-locked upload makes
+/// (`kiln_stream`), and within them the host waiting for a GPU stream (channels-last
+/// batch norm, and every call where the hand-over cannot be set up). Summed over
+/// threads; zero without CUDA.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct HostWaits {
+    pub round_trips: u64,
+    pub round_trip_s: f64,
+    /// Of `round_trip_s`, kiln's work on the device thread (cuDNN's calls, the
+    /// hand-over, host waits); the rest waited for the thread to reach the call.
+    pub work_s: f64,
+    pub host_syncs: u64,
+    pub host_sync_s: f64,
+}
+
+impl HostWaits {
+    /// The waits since `earlier` (a snapshot taken before).
+    pub fn since(self, earlier: HostWaits) -> HostWaits {
+        HostWaits {
+            round_trips: self.round_trips - earlier.round_trips,
+            round_trip_s: self.round_trip_s - earlier.round_trip_s,
+            work_s: self.work_s - earlier.work_s,
+            host_syncs: self.host_syncs - earlier.host_syncs,
+            host_sync_s: self.host_sync_s - earlier.host_sync_s,
+        }
+    }
+}
+
+/// The waits so far ([`HostWaits`]).
+pub fn host_waits() -> HostWaits {
+    #[cfg(feature = "cuda")]
+    return kiln_stream::host_waits();
+    #[cfg(not(feature = "cuda"))]
+    HostWaits::default()
+}
+
 /// The three parts of a convolution a backend can replace.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

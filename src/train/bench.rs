@@ -4,7 +4,7 @@
 //! phase. With several devices the global batch is `batch x devices`, split by the
 //! data-parallel learner.
 
-use crate::ops::TrainBackend;
+use crate::ops::{HostWaits, TrainBackend, host_waits};
 use std::time::Instant;
 
 use burn::optim::GradientsParams;
@@ -48,6 +48,29 @@ pub struct Breakdown {
     pub total_ms: f64,
 }
 
+/// [`crate::ops::HostWaits`] per step.
+#[derive(Debug, Clone, Serialize)]
+pub struct Waits {
+    pub round_trips: f64,
+    pub round_trip_ms: f64,
+    pub on_device_thread_ms: f64,
+    pub host_syncs: f64,
+    pub host_sync_ms: f64,
+}
+
+impl Waits {
+    fn per_step(w: HostWaits, steps: usize) -> Waits {
+        let n = steps.max(1) as f64;
+        Waits {
+            round_trips: w.round_trips as f64 / n,
+            round_trip_ms: w.round_trip_s * 1e3 / n,
+            on_device_thread_ms: w.work_s * 1e3 / n,
+            host_syncs: w.host_syncs as f64 / n,
+            host_sync_ms: w.host_sync_s * 1e3 / n,
+        }
+    }
+}
+
 #[derive(Debug, Clone, Serialize)]
 pub struct BenchReport {
     pub model: String,
@@ -64,6 +87,10 @@ pub struct BenchReport {
     pub img_per_s: f64,
     /// One device only.
     pub breakdown: Option<Breakdown>,
+    /// Per timed step, summed over threads: kiln's round trips to cubecl's device thread
+    /// (cuDNN calls, page-locked uploads) and the host's waits for a GPU stream within
+    /// them; zero on the CPU.
+    pub waits: Waits,
     /// Several devices: each device's worker, busy per timed step (weights in, forward,
     /// backward, gradients out, its own optimizer step for `ddp`); the rest of `step_ms`
     /// is the main thread's serial part (sum, optimizer, weights out) and waiting.
@@ -135,12 +162,13 @@ impl BackendJob for BenchJob {
         if let Some(r) = replicas.as_mut() {
             r.take_load();
         }
-        let t = Instant::now();
+        let (t, waited) = (Instant::now(), host_waits());
         for _ in 0..self.steps {
             model = step(&mut replicas, model, &mut optim)?;
         }
         sync();
         let step_s = t.elapsed().as_secs_f64() / self.steps.max(1) as f64;
+        let waits = Waits::per_step(host_waits().since(waited), self.steps);
         let device_busy_ms = replicas
             .as_mut()
             .map(|r| {
@@ -173,6 +201,7 @@ impl BackendJob for BenchJob {
             step_ms: step_s * 1e3,
             img_per_s: batch.labels.len() as f64 / step_s,
             breakdown,
+            waits,
             device_busy_ms,
         })
     }

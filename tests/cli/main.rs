@@ -779,6 +779,8 @@ fn bench_reports_throughput_as_json_and_as_text() {
     assert_eq!(doc["devices"], 1);
     assert!(doc["img_per_s"].as_f64().unwrap() > 0.0);
     assert!(doc["breakdown"]["backward_ms"].as_f64().unwrap() > 0.0);
+    // kiln's own waits are CUDA's: the CPU backend makes no round trips.
+    assert_eq!(doc["waits"]["round_trips"].as_f64(), Some(0.0));
     assert_eq!(doc["precision"], "fp32");
     // Page-locked uploads are the default, a CUDA path that the CPU has no use for.
     assert_eq!(doc["pin_memory"], true);
