@@ -130,7 +130,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         let w = &report.waits;
         if w.round_trips > 0.0 {
             println!(
-                "  kiln's waits      {:.0} round trips to cubecl's device thread, {:.2} ms per step ({:.2} ms of kiln's work there; host waits for a stream: {:.0}, {:.2} ms)",
+                "  kiln's waits      {:.0} round trips to cubecl's device thread, {:.2} ms per step summed over threads ({:.2} ms of kiln's work there; host waits for a stream: {:.0}, {:.2} ms)",
                 w.round_trips, w.round_trip_ms, w.on_device_thread_ms, w.host_syncs, w.host_sync_ms
             );
         }

@@ -79,8 +79,8 @@ fn kernel_settings(
     if on_cuda && config.train.channels_last && (!cudnn_convolutions || !cudnn_batch_norm) {
         anyhow::bail!(
             "train.channels_last = true needs cuDNN's convolutions and batch norm on CUDA: \
-             Burn's kernels take NCHW, and through channels-last views ResNet-50 trained at \
-             52 img/s in bf16 on an H200, against 1,262 with cuDNN. Set train.channels_last = false, or \
+             Burn's kernels take NCHW and would run it only through permuted views, many \
+             times slower (BENCHMARKS.md, tenth session). Set train.channels_last = false, or \
              let cuDNN run both (train.convolution and train.batch_norm \"auto\" or \
              \"cudnn\"; {install})"
         );

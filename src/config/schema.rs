@@ -189,8 +189,7 @@ pub enum Convolution {
     /// cuDNN when it can be loaded (`libcudnn.so.9` on the library path), otherwise
     /// Burn's kernels, with a note saying why.
     Auto,
-    /// cuDNN for every precision, or an error before training starts when it cannot
-    /// be loaded.
+    /// As `auto`, but an error before training starts when cuDNN cannot be loaded.
     Cudnn,
     /// Burn's own implicit-GEMM kernels.
     Burn,
@@ -282,7 +281,8 @@ pub struct TrainConfig {
     pub precision: Precision,
     /// Activations as `[N, H, W, C]` and convolution weights as `[K, R, S, C]` inside
     /// the network (`model::precision`); with bf16/fp16 the activations also stay in
-    /// the low precision between layers.
+    /// the low precision between layers. On CUDA it needs cuDNN's convolutions and batch
+    /// norm, and the run stops before training without them.
     pub channels_last: bool,
     /// `dp` or `ddp` (see `Strategy`); only with several devices. `ddp` by default: it
     /// measured faster on two H200s (BENCHMARKS.md), since `dp` copies the weights out

@@ -319,7 +319,7 @@ struct Plan {
     workspace: usize,
 }
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 enum Algo {
     Forward(sys::cudnnConvolutionFwdAlgo_t),
     GradX(sys::cudnnConvolutionBwdDataAlgo_t),
@@ -327,8 +327,9 @@ enum Algo {
 }
 
 /// cuDNN's heuristic choice (what PyTorch uses without `cudnn.benchmark`): the first
-/// proposal that is supported and whose workspace fits, for bf16 and fp16 among those
-/// on the tensor cores first.
+/// proposal that is supported and whose workspace fits; for bf16 and fp16 each proposed
+/// algorithm is tried with tensor-op math first (a permission: cuDNN runs it on the
+/// tensor cores where it has such kernels).
 ///
 /// The legacy heuristics rank half-precision proposals with `CUDNN_DEFAULT_MATH`
 /// first, which for bf16 and fp16 means no tensor cores: an H200 profile (Nsight
@@ -391,7 +392,14 @@ fn choose(handle: sys::cudnnHandle_t, key: &ConvKey, d: &Descriptors) -> Result<
         // Each algorithm on the tensor cores first, in cuDNN's order, then cuDNN's
         // own pairs, should the workspace query refuse one.
         let on_tensor_cores = proposals.iter().map(|&(algo, _)| (algo, TENSOR_OP));
-        on_tensor_cores.chain(proposals.iter().copied()).collect()
+        let mut tried = Vec::new();
+        for (algo, math) in on_tensor_cores.chain(proposals.iter().copied()) {
+            // cuDNN may list an algorithm under several math types.
+            if !tried.contains(&(algo, math)) {
+                tried.push((algo, math));
+            }
+        }
+        tried
     };
     for (algo, math) in proposals {
         // SAFETY: as above; the math type is set before the workspace is asked for,

@@ -20,7 +20,7 @@ use burn::cubecl::future::block_on;
 use burn::cubecl::server::Handle;
 use cudarc::driver::{result as drv, sys as dsys};
 
-use super::HostWaits;
+use super::KilnWaits;
 use super::stream_order::Handover;
 
 pub(crate) type Client = burn::cubecl::client::ComputeClient<CudaRuntime>;
@@ -101,15 +101,15 @@ pub(crate) fn on_device_thread<T: Send + 'static>(
     result?
 }
 
-/// How many waits of one kind there were and how long they took, in nanoseconds.
-struct WaitCounter {
+/// How many spans of one kind there were and how long they took, in nanoseconds.
+struct TimeCounter {
     count: AtomicU64,
     nanos: AtomicU64,
 }
 
-impl WaitCounter {
+impl TimeCounter {
     const fn new() -> Self {
-        WaitCounter {
+        TimeCounter {
             count: AtomicU64::new(0),
             nanos: AtomicU64::new(0),
         }
@@ -127,20 +127,22 @@ impl WaitCounter {
     }
 }
 
-static ROUND_TRIPS: WaitCounter = WaitCounter::new();
+/// [`on_device_thread`] whole, as the calling thread waits for it.
+static ROUND_TRIPS: TimeCounter = TimeCounter::new();
 /// Of the round trips, the part spent in kiln's work once the device thread reached it.
-static ON_DEVICE_THREAD: WaitCounter = WaitCounter::new();
-static HOST_SYNCS: WaitCounter = WaitCounter::new();
+static ON_DEVICE_THREAD: TimeCounter = TimeCounter::new();
+/// The host waiting for a stream inside [`Lane::queue`].
+static HOST_SYNCS: TimeCounter = TimeCounter::new();
 
-/// The waits of every thread so far (`ops::host_waits`).
-pub(crate) fn host_waits() -> HostWaits {
+/// Every thread's round trips and host waits so far (`ops::kiln_waits`).
+pub(crate) fn kiln_waits() -> KilnWaits {
     let (round_trips, round_trip_s) = ROUND_TRIPS.read();
-    let (_, work_s) = ON_DEVICE_THREAD.read();
+    let (_, on_device_thread_s) = ON_DEVICE_THREAD.read();
     let (host_syncs, host_sync_s) = HOST_SYNCS.read();
-    HostWaits {
+    KilnWaits {
         round_trips,
         round_trip_s,
-        work_s,
+        on_device_thread_s,
         host_syncs,
         host_sync_s,
     }

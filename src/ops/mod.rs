@@ -138,35 +138,35 @@ pub(crate) fn conv2d_output_dims(
 /// batch norm, and every call where the hand-over cannot be set up). Summed over
 /// threads; zero without CUDA.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct HostWaits {
+pub struct KilnWaits {
     pub round_trips: u64,
     pub round_trip_s: f64,
     /// Of `round_trip_s`, kiln's work on the device thread (cuDNN's calls, the
     /// hand-over, host waits); the rest waited for the thread to reach the call.
-    pub work_s: f64,
+    pub on_device_thread_s: f64,
     pub host_syncs: u64,
     pub host_sync_s: f64,
 }
 
-impl HostWaits {
+impl KilnWaits {
     /// The waits since `earlier` (a snapshot taken before).
-    pub fn since(self, earlier: HostWaits) -> HostWaits {
-        HostWaits {
+    pub fn since(self, earlier: KilnWaits) -> KilnWaits {
+        KilnWaits {
             round_trips: self.round_trips - earlier.round_trips,
             round_trip_s: self.round_trip_s - earlier.round_trip_s,
-            work_s: self.work_s - earlier.work_s,
+            on_device_thread_s: self.on_device_thread_s - earlier.on_device_thread_s,
             host_syncs: self.host_syncs - earlier.host_syncs,
             host_sync_s: self.host_sync_s - earlier.host_sync_s,
         }
     }
 }
 
-/// The waits so far ([`HostWaits`]).
-pub fn host_waits() -> HostWaits {
+/// The round trips and host waits so far ([`KilnWaits`]).
+pub fn kiln_waits() -> KilnWaits {
     #[cfg(feature = "cuda")]
-    return kiln_stream::host_waits();
+    return kiln_stream::kiln_waits();
     #[cfg(not(feature = "cuda"))]
-    HostWaits::default()
+    KilnWaits::default()
 }
 
 /// The three parts of a convolution a backend can replace.

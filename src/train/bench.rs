@@ -4,7 +4,7 @@
 //! phase. With several devices the global batch is `batch x devices`, split by the
 //! data-parallel learner.
 
-use crate::ops::{HostWaits, TrainBackend, host_waits};
+use crate::ops::{KilnWaits, TrainBackend, kiln_waits};
 use std::time::Instant;
 
 use burn::optim::GradientsParams;
@@ -48,7 +48,7 @@ pub struct Breakdown {
     pub total_ms: f64,
 }
 
-/// [`crate::ops::HostWaits`] per step.
+/// [`crate::ops::KilnWaits`] per step (summed over threads).
 #[derive(Debug, Clone, Serialize)]
 pub struct Waits {
     pub round_trips: f64,
@@ -59,12 +59,12 @@ pub struct Waits {
 }
 
 impl Waits {
-    fn per_step(w: HostWaits, steps: usize) -> Waits {
+    fn per_step(w: KilnWaits, steps: usize) -> Waits {
         let n = steps.max(1) as f64;
         Waits {
             round_trips: w.round_trips as f64 / n,
             round_trip_ms: w.round_trip_s * 1e3 / n,
-            on_device_thread_ms: w.work_s * 1e3 / n,
+            on_device_thread_ms: w.on_device_thread_s * 1e3 / n,
             host_syncs: w.host_syncs as f64 / n,
             host_sync_ms: w.host_sync_s * 1e3 / n,
         }
@@ -162,13 +162,13 @@ impl BackendJob for BenchJob {
         if let Some(r) = replicas.as_mut() {
             r.take_load();
         }
-        let (t, waited) = (Instant::now(), host_waits());
+        let (t, waited) = (Instant::now(), kiln_waits());
         for _ in 0..self.steps {
             model = step(&mut replicas, model, &mut optim)?;
         }
         sync();
         let step_s = t.elapsed().as_secs_f64() / self.steps.max(1) as f64;
-        let waits = Waits::per_step(host_waits().since(waited), self.steps);
+        let waits = Waits::per_step(kiln_waits().since(waited), self.steps);
         let device_busy_ms = replicas
             .as_mut()
             .map(|r| {

@@ -130,6 +130,18 @@ impl NormDescriptors {
     /// would have to travel from forward to backward, which kiln's batch norm (its
     /// statistics only) does not carry, so cuDNN asking for any refuses them.
     fn ex_workspace(&self, handle: sys::cudnnHandle_t) -> Result<ExWorkspace, String> {
+        // cudarc panics at the first call of a symbol a slimmed cuDNN lacks.
+        for name in [
+            "cudnnBatchNormalizationForwardTrainingEx",
+            "cudnnBatchNormalizationBackwardEx",
+            "cudnnGetBatchNormalizationForwardTrainingExWorkspaceSize",
+            "cudnnGetBatchNormalizationBackwardExWorkspaceSize",
+            "cudnnGetBatchNormalizationTrainingExReserveSpaceSize",
+        ] {
+            // SAFETY: only looks the symbol up; `probe` has loaded the library.
+            let found = unsafe { sys::culib().get::<unsafe extern "C" fn()>(name.as_bytes()) };
+            found.map_err(|_| format!("{name} is missing from cuDNN"))?;
+        }
         let (mode, x, c) = (self.mode, self.x, self.channel);
         let (mut forward, mut backward, mut reserve) = (0, 0, 0);
         // SAFETY: live handle and descriptors; no activation, no residual input (null
@@ -583,7 +595,7 @@ mod tests {
             (Layout::Nhwc, FloatDType::BF16, 2e-2),
             (Layout::Nhwc, FloatDType::F16, 5e-3),
         ];
-        // 5 channels take cuDNN's plain calls on NHWC input, 16 its extended ones.
+        // An odd channel count and one cuDNN's NHWC kernels can vectorise.
         for ((layout, dtype, tol), channels) in cases.into_iter().flat_map(|c| [(c, 5), (c, 16)]) {
             let ours = norm(true, layout, dtype, channels);
             let burn = norm(false, layout, dtype, channels);
