@@ -30,11 +30,17 @@ pub fn set_batch_norm(on: bool) {
 /// (cuDNN 9 keeps them in its legacy operations library, which a slimmed install may
 /// leave out; cudarc would panic at the first call).
 pub fn probe_batch_norm() -> Result<(), String> {
-    for name in [
+    has_symbols(&[
         "cudnnDeriveBNTensorDescriptor",
         "cudnnBatchNormalizationForwardTraining",
         "cudnnBatchNormalizationBackward",
-    ] {
+    ])
+}
+
+/// Whether the loaded cuDNN has every one of `names`: cudarc panics at the first call
+/// of a symbol a slimmed install lacks.
+fn has_symbols(names: &[&str]) -> Result<(), String> {
+    for name in names {
         // SAFETY: only looks the symbol up; `probe` has loaded the library.
         let found = unsafe { sys::culib().get::<unsafe extern "C" fn()>(name.as_bytes()) };
         found.map_err(|e| format!("{name} is missing from cuDNN: {e}"))?;
@@ -130,18 +136,13 @@ impl NormDescriptors {
     /// would have to travel from forward to backward, which kiln's batch norm (its
     /// statistics only) does not carry, so cuDNN asking for any refuses them.
     fn ex_workspace(&self, handle: sys::cudnnHandle_t) -> Result<ExWorkspace, String> {
-        // cudarc panics at the first call of a symbol a slimmed cuDNN lacks.
-        for name in [
+        has_symbols(&[
             "cudnnBatchNormalizationForwardTrainingEx",
             "cudnnBatchNormalizationBackwardEx",
             "cudnnGetBatchNormalizationForwardTrainingExWorkspaceSize",
             "cudnnGetBatchNormalizationBackwardExWorkspaceSize",
             "cudnnGetBatchNormalizationTrainingExReserveSpaceSize",
-        ] {
-            // SAFETY: only looks the symbol up; `probe` has loaded the library.
-            let found = unsafe { sys::culib().get::<unsafe extern "C" fn()>(name.as_bytes()) };
-            found.map_err(|_| format!("{name} is missing from cuDNN"))?;
-        }
+        ])?;
         let (mode, x, c) = (self.mode, self.x, self.channel);
         let (mut forward, mut backward, mut reserve) = (0, 0, 0);
         // SAFETY: live handle and descriptors; no activation, no residual input (null
