@@ -40,28 +40,35 @@ pub enum Layout {
 }
 
 impl Layout {
+    /// The axes of a tensor in this layout that hold N, C, H, W (K, C, R, S), in turn.
+    fn nchw_axes(self) -> [usize; 4] {
+        match self {
+            Layout::Nchw => [0, 1, 2, 3],
+            Layout::Nhwc => [0, 3, 1, 2],
+        }
+    }
+
+    /// The NCHW axes that a tensor in this layout holds, in turn.
+    fn laid_out_axes(self) -> [usize; 4] {
+        match self {
+            Layout::Nchw => [0, 1, 2, 3],
+            Layout::Nhwc => [0, 2, 3, 1],
+        }
+    }
+
     /// The axis that holds the channels.
     pub fn channel_axis(self) -> usize {
-        match self {
-            Layout::Nchw => 1,
-            Layout::Nhwc => 3,
-        }
+        self.nchw_axes()[1]
     }
 
     /// Dimensions given in this layout, in NCHW (KCRS) order.
     pub fn nchw_dims(self, d: [usize; 4]) -> [usize; 4] {
-        match self {
-            Layout::Nchw => d,
-            Layout::Nhwc => [d[0], d[3], d[1], d[2]],
-        }
+        self.nchw_axes().map(|a| d[a])
     }
 
     /// Dimensions given in NCHW (KCRS) order, in this layout.
     pub fn laid_out_dims(self, d: [usize; 4]) -> [usize; 4] {
-        match self {
-            Layout::Nchw => d,
-            Layout::Nhwc => [d[0], d[2], d[3], d[1]],
-        }
+        self.laid_out_axes().map(|a| d[a])
     }
 
     /// A tensor in this layout as an NCHW view (no copy).
@@ -71,7 +78,7 @@ impl Layout {
     ) -> burn::tensor::ops::FloatTensor<B> {
         match self {
             Layout::Nchw => t,
-            Layout::Nhwc => B::float_permute(t, &[0, 3, 1, 2]),
+            Layout::Nhwc => B::float_permute(t, &self.nchw_axes()),
         }
     }
 
@@ -82,7 +89,7 @@ impl Layout {
     ) -> burn::tensor::ops::FloatTensor<B> {
         match self {
             Layout::Nchw => t,
-            Layout::Nhwc => B::float_permute(t, &[0, 2, 3, 1]),
+            Layout::Nhwc => B::float_permute(t, &self.laid_out_axes()),
         }
     }
 
