@@ -128,10 +128,15 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
             );
         }
         let w = &report.waits;
-        if w.round_trips > 0.0 {
+        if w.round_trips + w.queued > 0.0 {
             println!(
-                "  kiln's waits      {:.0} round trips to cubecl's device thread, {:.2} ms per step summed over threads ({:.2} ms of kiln's work there; host waits for a stream: {:.0}, {:.2} ms)",
-                w.round_trips, w.round_trip_ms, w.on_device_thread_ms, w.host_syncs, w.host_sync_ms
+                "  kiln's waits      {:.0} round trips to cubecl's device thread, {:.2} ms per step summed over threads, {:.0} calls queued without one ({:.2} ms of kiln's work there; host waits for a stream: {:.0}, {:.2} ms)",
+                w.round_trips,
+                w.round_trip_ms,
+                w.queued,
+                w.on_device_thread_ms,
+                w.host_syncs,
+                w.host_sync_ms
             );
         }
         if !report.device_busy_ms.is_empty() {

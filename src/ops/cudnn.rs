@@ -19,13 +19,13 @@
 //! cuDNN handle.
 
 use std::cell::RefCell;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::ffi::c_void;
 use std::mem::MaybeUninit;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use burn::cubecl::cuda::CudaRuntime;
+use burn::cubecl::cuda::{CudaDevice, CudaRuntime};
 use burn::tensor::ops::{ConvOptions, FloatTensor};
 use burn::tensor::{DType, Shape};
 use burn_cubecl::kernel::into_contiguous;
@@ -35,7 +35,9 @@ use cudarc::cudnn::{result as dnn, sys};
 use cudarc::driver::sys as dsys;
 
 use super::conv::burn_conv2d;
-use super::kiln_stream::{After, Client, Lane, on_device_thread, with_lane};
+use super::kiln_stream::{
+    After, Client, Lane, on_device_thread, queue_on_device_thread, with_lane,
+};
 use super::{ConvBackend, Layout, Part, conv2d_output_dims};
 
 mod batch_norm;
@@ -154,6 +156,45 @@ fn on_cudnn<T: Send + 'static>(
             work(dnn, lane, handle)
         })
     })
+}
+
+/// A shape cuDNN has run once on the calling thread's device.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+enum Planned {
+    Conv(ConvKey),
+    Norm(NormKey),
+}
+
+thread_local! {
+    // Per calling (fusion) thread and device: what `on_cudnn_planned` may queue.
+    static PLANNED: RefCell<HashSet<(usize, Planned)>> = RefCell::new(HashSet::new());
+}
+
+/// Runs `work` on cubecl's device thread with its cuDNN state for `device`: the first
+/// time for each shape (per calling thread) as a round trip ([`on_cudnn`]), so that a
+/// shape cuDNN cannot plan or run reports its error and goes to Burn's kernels; after
+/// that queued without waiting (`kiln_stream::queue_on_device_thread`), which measured
+/// 48-66% of a ResNet step as round trips (BENCHMARKS.md, eleventh session).
+fn on_cudnn_planned(
+    client: &Client,
+    device: &CudaDevice,
+    shape: Planned,
+    work: impl FnOnce(&mut Dnn, &mut Lane, sys::cudnnHandle_t) -> Result<(), String> + Send + 'static,
+) -> Result<(), String> {
+    let ordinal = device.index;
+    let entry = (ordinal, shape);
+    if PLANNED.with(|p| p.borrow().contains(&entry)) {
+        queue_on_device_thread(device, ordinal, move |lane| {
+            with_dnn(ordinal, |dnn| {
+                let handle = dnn.handle(lane.stream())?;
+                work(dnn, lane, handle)
+            })
+        });
+        return Ok(());
+    }
+    on_cudnn(client, ordinal, work)?;
+    PLANNED.with(|p| p.borrow_mut().insert(entry));
+    Ok(())
 }
 
 impl Dnn {
@@ -487,47 +528,53 @@ fn run(
     };
     let client = x.client.clone();
     let bytes = out_dims.iter().map(|&d| d as usize).product::<usize>() * x.dtype.size();
-    let ordinal = x.device.index;
-    let out = on_cudnn(&client, ordinal, |dnn, lane, h| {
-        let conv = dnn.conv(&key, h)?;
-        let (descs, plan) = (&conv.descs, conv.plan);
-        let out = client.empty(bytes);
-        let workspace = (plan.workspace > 0).then(|| client.empty(plan.workspace));
-        let buffers = [
-            Some(&x.handle),
-            Some(&w.handle),
-            Some(&out),
-            grad.as_ref().map(|g| &g.handle),
-            workspace.as_ref(),
-        ];
-        lane.queue(&client, &buffers, After::Gpu, |_, p| {
-            let [px, pw, pout, pgrad, pws] = [p[0], p[1], p[2], p[3], p[4]];
-            let (a, b) = write_scaling();
-            let ws = plan.workspace;
-            let err = |e: dnn::CudnnError| format!("{key:?}: {e:?}");
-            // SAFETY: the pointers are live device buffers of the sizes the
-            // descriptors state (contiguous, in the described layout, checked dtypes)
-            // and the workspace is as large as cuDNN asked (`queue` orders the stream).
-            unsafe {
-                dnn::set_convolution_math_type(descs.conv, plan.math).map_err(err)?;
-                match plan.algo {
-                    Algo::Forward(algo) => dnn::convolution_forward(
-                        h, a, descs.x, px, descs.w, pw, descs.conv, algo, pws, ws, b, descs.y, pout,
-                    ),
-                    Algo::GradX(algo) => dnn::convolution_backward_data(
-                        h, a, descs.w, pw, descs.y, pgrad, descs.conv, algo, pws, ws, b, descs.x,
-                        pout,
-                    ),
-                    Algo::GradWeight(algo) => dnn::convolution_backward_filter(
-                        h, a, descs.x, px, descs.y, pgrad, descs.conv, algo, pws, ws, b, descs.w,
-                        pout,
-                    ),
+    let out = client.empty(bytes);
+    let job = {
+        let (client, key, out) = (client.clone(), key.clone(), out.clone());
+        let (x, w) = (x.handle.clone(), w.handle.clone());
+        let grad = grad.as_ref().map(|g| g.handle.clone());
+        move |dnn: &mut Dnn, lane: &mut Lane, h: sys::cudnnHandle_t| {
+            let conv = dnn.conv(&key, h)?;
+            let (descs, plan) = (&conv.descs, conv.plan);
+            let workspace = (plan.workspace > 0).then(|| client.empty(plan.workspace));
+            let buffers = [
+                Some(&x),
+                Some(&w),
+                Some(&out),
+                grad.as_ref(),
+                workspace.as_ref(),
+            ];
+            lane.queue(&client, &buffers, After::Gpu, |_, p| {
+                let [px, pw, pout, pgrad, pws] = [p[0], p[1], p[2], p[3], p[4]];
+                let (a, b) = write_scaling();
+                let ws = plan.workspace;
+                let err = |e: dnn::CudnnError| format!("{key:?}: {e:?}");
+                // SAFETY: the pointers are live device buffers of the sizes the
+                // descriptors state (contiguous, in the described layout, checked
+                // dtypes) and the workspace is as large as cuDNN asked (`queue` orders
+                // the stream).
+                unsafe {
+                    dnn::set_convolution_math_type(descs.conv, plan.math).map_err(err)?;
+                    match plan.algo {
+                        Algo::Forward(algo) => dnn::convolution_forward(
+                            h, a, descs.x, px, descs.w, pw, descs.conv, algo, pws, ws, b, descs.y,
+                            pout,
+                        ),
+                        Algo::GradX(algo) => dnn::convolution_backward_data(
+                            h, a, descs.w, pw, descs.y, pgrad, descs.conv, algo, pws, ws, b,
+                            descs.x, pout,
+                        ),
+                        Algo::GradWeight(algo) => dnn::convolution_backward_filter(
+                            h, a, descs.x, px, descs.y, pgrad, descs.conv, algo, pws, ws, b,
+                            descs.w, pout,
+                        ),
+                    }
+                    .map_err(err)
                 }
-                .map_err(err)
-            }
-        })?;
-        Ok(out)
-    })?;
+            })
+        }
+    };
+    on_cudnn_planned(&client, &x.device, Planned::Conv(key), job)?;
     let shape = Shape::new(layout.laid_out_dims(out_dims.map(|d| d as usize)));
     Ok(Tensor::new_contiguous(
         client,

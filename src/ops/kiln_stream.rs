@@ -12,12 +12,15 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
 use std::ffi::c_void;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Instant;
 
-use burn::cubecl::cuda::CudaRuntime;
+use burn::cubecl::cuda::{CudaDevice, CudaRuntime};
 use burn::cubecl::future::block_on;
 use burn::cubecl::server::Handle;
+use cubecl::device::{Device, DeviceId, DeviceService, ServerUtilitiesHandle};
+use cubecl::device_handle::DeviceHandle;
 use cudarc::driver::{result as drv, sys as dsys};
 
 use super::KilnWaits;
@@ -101,6 +104,62 @@ pub(crate) fn on_device_thread<T: Send + 'static>(
     result?
 }
 
+/// Queues `work` on cubecl's device thread for `device` (GPU `ordinal`), with that
+/// thread's lane, behind everything the calling thread queued there before, and returns
+/// at once: unlike [`on_device_thread`] the calling (fusion) thread does not wait for
+/// the device thread to work through its queue, so the two threads' work overlaps.
+///
+/// The vehicle is a [`DeviceService`] of kiln's own on the same runner thread as
+/// cubecl's server (both `Downstream`): its tasks share the server's queue, in order,
+/// and run outside the server's borrow, so cubecl's calls inside run at once, as in
+/// [`on_device_thread`]. `work` can no longer report an error to its caller: a failure
+/// of work already accepted once (see the callers) means the step's results are
+/// garbage, so the process says why and aborts, and the supervisor restarts it from its
+/// checkpoint.
+pub(crate) fn queue_on_device_thread(
+    device: &CudaDevice,
+    ordinal: usize,
+    work: impl FnOnce(&mut Lane) -> Result<(), String> + Send + 'static,
+) {
+    let handle = QUEUES.with(|queues| {
+        queues
+            .borrow_mut()
+            .entry(ordinal)
+            .or_insert_with(|| DeviceHandle::<Queued>::new(device.to_id()))
+            .clone()
+    });
+    handle.submit(move |_: &mut Queued| {
+        let started = Instant::now();
+        let done = with_lane(ordinal, work);
+        ON_DEVICE_THREAD.add(started);
+        QUEUED.add(started);
+        if let Err(e) = done {
+            eprintln!(
+                "kiln: error: queued GPU work failed on GPU {ordinal} ({e}); this step's results are not valid, stopping"
+            );
+            std::process::abort();
+        }
+    });
+}
+
+/// kiln's service on cubecl's device thread: no state, only the queue.
+struct Queued;
+
+impl DeviceService for Queued {
+    fn init(_: DeviceId) -> Self {
+        Queued
+    }
+
+    fn utilities(&self) -> ServerUtilitiesHandle {
+        Arc::new(())
+    }
+}
+
+thread_local! {
+    // One handle per calling thread and device: making one takes a global lock.
+    static QUEUES: RefCell<HashMap<usize, DeviceHandle<Queued>>> = RefCell::new(HashMap::new());
+}
+
 /// How many spans of one kind there were and how long they took, in nanoseconds.
 struct TimeCounter {
     count: AtomicU64,
@@ -133,13 +192,17 @@ static ROUND_TRIPS: TimeCounter = TimeCounter::new();
 static ON_DEVICE_THREAD: TimeCounter = TimeCounter::new();
 /// The host waiting for a stream inside [`Lane::queue`].
 static HOST_SYNCS: TimeCounter = TimeCounter::new();
+/// Work queued by [`queue_on_device_thread`], as the device thread ran it.
+static QUEUED: TimeCounter = TimeCounter::new();
 
 /// Every thread's round trips and host waits so far (`ops::kiln_waits`).
 pub(crate) fn kiln_waits() -> KilnWaits {
     let (round_trips, round_trip_s) = ROUND_TRIPS.read();
     let (_, on_device_thread_s) = ON_DEVICE_THREAD.read();
     let (host_syncs, host_sync_s) = HOST_SYNCS.read();
+    let (queued, _) = QUEUED.read();
     KilnWaits {
+        queued,
         round_trips,
         round_trip_s,
         on_device_thread_s,

@@ -148,7 +148,9 @@ pub(crate) fn conv2d_output_dims(
 pub struct KilnWaits {
     pub round_trips: u64,
     pub round_trip_s: f64,
-    /// Of `round_trip_s`, kiln's work on the device thread (cuDNN's calls, the
+    /// Calls queued on the device thread without a round trip.
+    pub queued: u64,
+    /// Of `round_trip_s` and the queued calls, kiln's work on the device thread (cuDNN's calls, the
     /// hand-over, host waits); the rest waited for the thread to reach the call.
     pub on_device_thread_s: f64,
     pub host_syncs: u64,
@@ -161,6 +163,7 @@ impl KilnWaits {
         KilnWaits {
             round_trips: self.round_trips - earlier.round_trips,
             round_trip_s: self.round_trip_s - earlier.round_trip_s,
+            queued: self.queued - earlier.queued,
             on_device_thread_s: self.on_device_thread_s - earlier.on_device_thread_s,
             host_syncs: self.host_syncs - earlier.host_syncs,
             host_sync_s: self.host_sync_s - earlier.host_sync_s,

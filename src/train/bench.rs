@@ -53,6 +53,7 @@ pub struct Breakdown {
 pub struct Waits {
     pub round_trips: f64,
     pub round_trip_ms: f64,
+    pub queued: f64,
     pub on_device_thread_ms: f64,
     pub host_syncs: f64,
     pub host_sync_ms: f64,
@@ -64,6 +65,7 @@ impl Waits {
         Waits {
             round_trips: w.round_trips as f64 / n,
             round_trip_ms: w.round_trip_s * 1e3 / n,
+            queued: w.queued as f64 / n,
             on_device_thread_ms: w.on_device_thread_s * 1e3 / n,
             host_syncs: w.host_syncs as f64 / n,
             host_sync_ms: w.host_sync_s * 1e3 / n,

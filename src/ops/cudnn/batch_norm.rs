@@ -13,8 +13,11 @@ use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
 use cudarc::cudnn::{result as dnn, sys};
 
-use super::{Tensor, data_type, dims, on_cudnn, tensor_format, warn_once, write_scaling};
-use crate::ops::kiln_stream::{After, Client};
+use super::{
+    Dnn, Planned, Tensor, data_type, dims, on_cudnn_planned, tensor_format, warn_once,
+    write_scaling,
+};
+use crate::ops::kiln_stream::{After, Client, Lane};
 use crate::ops::norm::{grad_reference, train_reference};
 use crate::ops::{Layout, NormBackend};
 
@@ -298,77 +301,81 @@ fn norm_train(
 ) -> Result<[Tensor; 3], String> {
     let ([x, gamma, beta], key) = norm_inputs([x, gamma, beta], &[0], layout)?;
     let client = x.client.clone();
-    let ordinal = x.device.index;
-    let [y, mean, inv_std] = on_cudnn(&client, ordinal, |dnn, lane, h| {
-        let descs = dnn.norm(key, h)?;
-        let [y, mean, inv_std] = norm_buffers(&client, &x, &key);
-        let workspace = descs.ex.and_then(|ex| workspace(&client, ex.forward));
-        let buffers = [&x.handle, &gamma.handle, &beta.handle, &y, &mean, &inv_std]
-            .map(Some)
-            .into_iter()
-            .chain([workspace.as_ref()])
-            .collect::<Vec<_>>();
-        lane.queue(&client, &buffers, key.after(), |_, p| {
-            let (a, b) = write_scaling();
-            // SAFETY: contiguous buffers of the described shapes and dtypes, the
-            // workspace as large as cuDNN asked; the running statistics (both null) are
-            // updated by the caller, as Burn's module does.
-            unsafe {
-                match descs.ex {
-                    Some(ex) => sys::cudnnBatchNormalizationForwardTrainingEx(
-                        h,
-                        descs.mode,
-                        OPS_BN,
-                        a,
-                        b,
-                        descs.x,
-                        p[0],
-                        null_mut(),
-                        null(),
-                        descs.x,
-                        p[3],
-                        descs.channel,
-                        p[1],
-                        p[2],
-                        0.0,
-                        null_mut(),
-                        null_mut(),
-                        epsilon,
-                        p[4],
-                        p[5],
-                        null_mut(),
-                        p[6],
-                        ex.forward,
-                        null_mut(),
-                        0,
-                    ),
-                    None => sys::cudnnBatchNormalizationForwardTraining(
-                        h,
-                        descs.mode,
-                        a,
-                        b,
-                        descs.x,
-                        p[0],
-                        descs.x,
-                        p[3],
-                        descs.channel,
-                        p[1],
-                        p[2],
-                        0.0,
-                        null_mut(),
-                        null_mut(),
-                        epsilon,
-                        p[4],
-                        p[5],
-                    ),
+    let outputs = norm_buffers(&client, &x, &key);
+    let job = {
+        let (client, outputs) = (client.clone(), outputs.clone());
+        let inputs = [&x, &gamma, &beta].map(|t| t.handle.clone());
+        move |dnn: &mut Dnn, lane: &mut Lane, h: sys::cudnnHandle_t| {
+            let descs = dnn.norm(key, h)?;
+            let workspace = descs.ex.and_then(|ex| workspace(&client, ex.forward));
+            let buffers = inputs
+                .iter()
+                .chain(&outputs)
+                .map(Some)
+                .chain([workspace.as_ref()])
+                .collect::<Vec<_>>();
+            lane.queue(&client, &buffers, key.after(), |_, p| {
+                let (a, b) = write_scaling();
+                // SAFETY: contiguous buffers of the described shapes and dtypes, the
+                // workspace as large as cuDNN asked; the running statistics (both null) are
+                // updated by the caller, as Burn's module does.
+                unsafe {
+                    match descs.ex {
+                        Some(ex) => sys::cudnnBatchNormalizationForwardTrainingEx(
+                            h,
+                            descs.mode,
+                            OPS_BN,
+                            a,
+                            b,
+                            descs.x,
+                            p[0],
+                            null_mut(),
+                            null(),
+                            descs.x,
+                            p[3],
+                            descs.channel,
+                            p[1],
+                            p[2],
+                            0.0,
+                            null_mut(),
+                            null_mut(),
+                            epsilon,
+                            p[4],
+                            p[5],
+                            null_mut(),
+                            p[6],
+                            ex.forward,
+                            null_mut(),
+                            0,
+                        ),
+                        None => sys::cudnnBatchNormalizationForwardTraining(
+                            h,
+                            descs.mode,
+                            a,
+                            b,
+                            descs.x,
+                            p[0],
+                            descs.x,
+                            p[3],
+                            descs.channel,
+                            p[1],
+                            p[2],
+                            0.0,
+                            null_mut(),
+                            null_mut(),
+                            epsilon,
+                            p[4],
+                            p[5],
+                        ),
+                    }
                 }
-            }
-            .result()
-            .map_err(|e| format!("batch norm forward {key:?}: {e:?}"))
-        })?;
-        Ok([y, mean, inv_std])
-    })?;
-    Ok(norm_outputs(&client, &x, &key, [y, mean, inv_std]))
+                .result()
+                .map_err(|e| format!("batch norm forward {key:?}: {e:?}"))
+            })
+        }
+    };
+    on_cudnn_planned(&client, &x.device, Planned::Norm(key), job)?;
+    Ok(norm_outputs(&client, &x, &key, outputs))
 }
 
 /// [`NormBackend::batch_norm_grad`] through cuDNN.
@@ -384,93 +391,88 @@ fn norm_grad(
     let ([x, gamma, mean, inv_std, dy], key) =
         norm_inputs([x, gamma, mean, inv_std, dy], &[0, 4], layout)?;
     let client = x.client.clone();
-    let ordinal = x.device.index;
-    let [dx, dgamma, dbeta] = on_cudnn(&client, ordinal, |dnn, lane, h| {
-        let descs = dnn.norm(key, h)?;
-        let [dx, dgamma, dbeta] = norm_buffers(&client, &x, &key);
-        let workspace = descs.ex.and_then(|ex| workspace(&client, ex.backward));
-        let buffers = [
-            &x.handle,
-            &gamma.handle,
-            &mean.handle,
-            &inv_std.handle,
-            &dy.handle,
-            &dx,
-            &dgamma,
-            &dbeta,
-        ]
-        .map(Some)
-        .into_iter()
-        .chain([workspace.as_ref()])
-        .collect::<Vec<_>>();
-        lane.queue(&client, &buffers, key.after(), |_, p| {
-            let (a, b) = write_scaling();
-            // SAFETY: contiguous buffers of the described shapes and dtypes, the
-            // workspace as large as cuDNN asked; mean and inverse deviation are the
-            // forward pass's, computed with the same epsilon.
-            unsafe {
-                match descs.ex {
-                    Some(ex) => sys::cudnnBatchNormalizationBackwardEx(
-                        h,
-                        descs.mode,
-                        OPS_BN,
-                        a,
-                        b,
-                        a,
-                        b,
-                        descs.x,
-                        p[0],
-                        null_mut(),
-                        null(),
-                        descs.x,
-                        p[4],
-                        null_mut(),
-                        null_mut(),
-                        descs.x,
-                        p[5],
-                        descs.channel,
-                        p[1],
-                        null(),
-                        p[6],
-                        p[7],
-                        epsilon,
-                        p[2],
-                        p[3],
-                        null_mut(),
-                        p[8],
-                        ex.backward,
-                        null_mut(),
-                        0,
-                    ),
-                    None => sys::cudnnBatchNormalizationBackward(
-                        h,
-                        descs.mode,
-                        a,
-                        b,
-                        a,
-                        b,
-                        descs.x,
-                        p[0],
-                        descs.x,
-                        p[4],
-                        descs.x,
-                        p[5],
-                        descs.channel,
-                        p[1],
-                        p[6],
-                        p[7],
-                        epsilon,
-                        p[2],
-                        p[3],
-                    ),
+    let outputs = norm_buffers(&client, &x, &key);
+    let job = {
+        let (client, outputs) = (client.clone(), outputs.clone());
+        let inputs = [&x, &gamma, &mean, &inv_std, &dy].map(|t| t.handle.clone());
+        move |dnn: &mut Dnn, lane: &mut Lane, h: sys::cudnnHandle_t| {
+            let descs = dnn.norm(key, h)?;
+            let workspace = descs.ex.and_then(|ex| workspace(&client, ex.backward));
+            let buffers = inputs
+                .iter()
+                .chain(&outputs)
+                .map(Some)
+                .chain([workspace.as_ref()])
+                .collect::<Vec<_>>();
+            lane.queue(&client, &buffers, key.after(), |_, p| {
+                let (a, b) = write_scaling();
+                // SAFETY: contiguous buffers of the described shapes and dtypes, the
+                // workspace as large as cuDNN asked; mean and inverse deviation are the
+                // forward pass's, computed with the same epsilon.
+                unsafe {
+                    match descs.ex {
+                        Some(ex) => sys::cudnnBatchNormalizationBackwardEx(
+                            h,
+                            descs.mode,
+                            OPS_BN,
+                            a,
+                            b,
+                            a,
+                            b,
+                            descs.x,
+                            p[0],
+                            null_mut(),
+                            null(),
+                            descs.x,
+                            p[4],
+                            null_mut(),
+                            null_mut(),
+                            descs.x,
+                            p[5],
+                            descs.channel,
+                            p[1],
+                            null(),
+                            p[6],
+                            p[7],
+                            epsilon,
+                            p[2],
+                            p[3],
+                            null_mut(),
+                            p[8],
+                            ex.backward,
+                            null_mut(),
+                            0,
+                        ),
+                        None => sys::cudnnBatchNormalizationBackward(
+                            h,
+                            descs.mode,
+                            a,
+                            b,
+                            a,
+                            b,
+                            descs.x,
+                            p[0],
+                            descs.x,
+                            p[4],
+                            descs.x,
+                            p[5],
+                            descs.channel,
+                            p[1],
+                            p[6],
+                            p[7],
+                            epsilon,
+                            p[2],
+                            p[3],
+                        ),
+                    }
                 }
-            }
-            .result()
-            .map_err(|e| format!("batch norm backward {key:?}: {e:?}"))
-        })?;
-        Ok([dx, dgamma, dbeta])
-    })?;
-    Ok(norm_outputs(&client, &x, &key, [dx, dgamma, dbeta]))
+                .result()
+                .map_err(|e| format!("batch norm backward {key:?}: {e:?}"))
+            })
+        }
+    };
+    on_cudnn_planned(&client, &x.device, Planned::Norm(key), job)?;
+    Ok(norm_outputs(&client, &x, &key, outputs))
 }
 
 /// cuDNN's result, or `None` (Burn's operations) when BatchNorm is not routed to
