@@ -36,7 +36,7 @@ use cudarc::driver::sys as dsys;
 
 use super::conv::burn_conv2d;
 use super::kiln_stream::{
-    After, Client, Lane, on_device_thread, queue_on_device_thread, with_lane,
+    After, Client, Lane, on_device_thread, queue_handle, queue_on_device_thread, with_lane,
 };
 use super::{ConvBackend, Layout, Part, conv2d_output_dims};
 
@@ -162,7 +162,8 @@ fn on_cudnn<T: Send + 'static>(
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 enum Planned {
     Conv(ConvKey),
-    Norm(NormKey),
+    NormTrain(NormKey),
+    NormGrad(NormKey),
 }
 
 thread_local! {
@@ -193,6 +194,7 @@ fn on_cudnn_planned(
         return Ok(());
     }
     on_cudnn(client, ordinal, work)?;
+    queue_handle(device);
     PLANNED.with(|p| p.borrow_mut().insert(entry));
     Ok(())
 }

@@ -12,6 +12,7 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
 use std::ffi::c_void;
+use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Instant;
@@ -121,16 +122,12 @@ pub(crate) fn queue_on_device_thread(
     ordinal: usize,
     work: impl FnOnce(&mut Lane) -> Result<(), String> + Send + 'static,
 ) {
-    let handle = QUEUES.with(|queues| {
-        queues
-            .borrow_mut()
-            .entry(ordinal)
-            .or_insert_with(|| DeviceHandle::<Queued>::new(device.to_id()))
-            .clone()
-    });
-    handle.submit(move |_: &mut Queued| {
+    queue_handle(device).submit(move |_: &mut Queued| {
         let started = Instant::now();
-        let done = with_lane(ordinal, work);
+        // cubecl catches a task's panic and only logs it, which would leave the
+        // outputs unwritten and training going on.
+        let done = catch_unwind(AssertUnwindSafe(|| with_lane(ordinal, work)))
+            .unwrap_or_else(|_| Err("it panicked".into()));
         ON_DEVICE_THREAD.add(started);
         QUEUED.add(started);
         if let Err(e) = done {
@@ -142,8 +139,22 @@ pub(crate) fn queue_on_device_thread(
     });
 }
 
+/// The calling thread's handle to [`Queued`] on `device`'s device thread. Making the
+/// first one registers the service there: a round trip, under a lock of cubecl's that
+/// every thread making a device handle takes, so callers make it while they wait
+/// anyway (see `cudnn::on_cudnn_planned`).
+pub(crate) fn queue_handle(device: &CudaDevice) -> DeviceHandle<Queued> {
+    QUEUES.with(|queues| {
+        queues
+            .borrow_mut()
+            .entry(device.index)
+            .or_insert_with(|| DeviceHandle::<Queued>::new(device.to_id()))
+            .clone()
+    })
+}
+
 /// kiln's service on cubecl's device thread: no state, only the queue.
-struct Queued;
+pub(crate) struct Queued;
 
 impl DeviceService for Queued {
     fn init(_: DeviceId) -> Self {
@@ -156,7 +167,8 @@ impl DeviceService for Queued {
 }
 
 thread_local! {
-    // One handle per calling thread and device: making one takes a global lock.
+    // One handle per calling thread and device: making one is a round trip under a
+    // global lock.
     static QUEUES: RefCell<HashMap<usize, DeviceHandle<Queued>>> = RefCell::new(HashMap::new());
 }
 
@@ -271,11 +283,8 @@ impl Lane {
         call: impl FnOnce(dsys::CUstream, &[*mut c_void]) -> Result<(), String>,
     ) -> Result<(), String> {
         let stream = self.stream;
-        let token = self.handover(client).and_then(|h| {
-            h.wait_for_cubecl(client, stream)
-                .inspect_err(|e| warn_host_sync(e))
-                .ok()
-        });
+        // Resolved first: cubecl queues its waits for buffers written on another of its
+        // streams as it resolves them, and the token below then comes after those too.
         let resources = buffers
             .iter()
             .map(|b| {
@@ -283,6 +292,11 @@ impl Lane {
                     .transpose()
             })
             .collect::<Result<Vec<_>, _>>()?;
+        let token = self.handover(client).and_then(|h| {
+            h.wait_for_cubecl(client, stream)
+                .inspect_err(|e| warn_host_sync(e))
+                .ok()
+        });
         let pointers: Vec<*mut c_void> = resources
             .iter()
             .map(|r| {

@@ -374,7 +374,7 @@ fn norm_train(
             })
         }
     };
-    on_cudnn_planned(&client, &x.device, Planned::Norm(key), job)?;
+    on_cudnn_planned(&client, &x.device, Planned::NormTrain(key), job)?;
     Ok(norm_outputs(&client, &x, &key, outputs))
 }
 
@@ -471,7 +471,7 @@ fn norm_grad(
             })
         }
     };
-    on_cudnn_planned(&client, &x.device, Planned::Norm(key), job)?;
+    on_cudnn_planned(&client, &x.device, Planned::NormGrad(key), job)?;
     Ok(norm_outputs(&client, &x, &key, outputs))
 }
 
