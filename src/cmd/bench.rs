@@ -130,11 +130,13 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         let w = &report.waits;
         if w.round_trips + w.queued > 0.0 {
             println!(
-                "  kiln's waits      {:.0} round trips to cubecl's device thread, {:.2} ms per step summed over threads, {:.0} calls queued without one ({:.2} ms of kiln's work there; host waits for a stream: {:.0}, {:.2} ms)",
+                "  kiln's waits      {:.0} round trips to cubecl's device thread, {:.2} ms per step summed over threads, {:.0} calls queued without one ({:.2} ms of kiln's work there, of which library calls {:.2} ms, stream ordering {:.2} ms; host waits for a stream: {:.0}, {:.2} ms)",
                 w.round_trips,
                 w.round_trip_ms,
                 w.queued,
                 w.on_device_thread_ms,
+                w.library_call_ms.values().sum::<f64>(),
+                w.ordering_ms,
                 w.host_syncs,
                 w.host_sync_ms
             );

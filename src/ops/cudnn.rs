@@ -23,6 +23,7 @@ use std::collections::{HashMap, HashSet};
 use std::ffi::c_void;
 use std::mem::MaybeUninit;
 use std::rc::Rc;
+use std::sync::OnceLock;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use burn::cubecl::cuda::{CudaDevice, CudaRuntime};
@@ -38,11 +39,13 @@ use super::conv::burn_conv2d;
 use super::kiln_stream::{
     After, Client, Lane, on_device_thread, queue_handle, queue_on_device_thread, with_lane,
 };
-use super::{ConvBackend, Layout, Part, conv2d_output_dims};
+use super::{ConvBackend, Layout, LibraryCall, Part, conv2d_output_dims};
 
 mod batch_norm;
+mod graph;
 use batch_norm::{NormDescriptors, NormKey};
 pub use batch_norm::{probe_batch_norm, set_batch_norm};
+use graph::GraphPlan;
 
 type Tensor = CubeTensor<CudaRuntime>;
 
@@ -220,10 +223,24 @@ impl Dnn {
         if let Some(known) = self.convs.get(key) {
             return known.clone();
         }
-        let made = Descriptors::new(key).and_then(|descs| {
-            let plan = choose(handle, key, &descs)?;
-            Ok(Rc::new(Conv { descs, plan }))
-        });
+        static NOTED: AtomicBool = AtomicBool::new(false);
+        let note = |e: &String| {
+            if !NOTED.swap(true, Ordering::Relaxed) {
+                eprintln!(
+                    "kiln: note: cuDNN's graph API cannot plan a convolution ({e}); such shapes take its legacy calls (slower on the host)"
+                );
+            }
+        };
+        let graph = graph_api()
+            .then(|| GraphPlan::new(handle, key).inspect_err(note).ok())
+            .flatten();
+        let made = match graph {
+            Some(g) => Ok(Rc::new(Conv::Graph(g))),
+            None => Descriptors::new(key).and_then(|descs| {
+                let plan = choose(handle, key, &descs)?;
+                Ok(Rc::new(Conv::Legacy { descs, plan }))
+            }),
+        };
         self.convs.insert(key.clone(), made.clone());
         made
     }
@@ -254,10 +271,43 @@ struct ConvKey {
     layout: Layout,
 }
 
-/// One convolution shape, ready to run: its descriptors and the algorithm chosen.
-struct Conv {
-    descs: Descriptors,
-    plan: Plan,
+/// One convolution shape, ready to run.
+enum Conv {
+    /// A finalized execution plan of cuDNN's graph API, which a call only executes.
+    Graph(GraphPlan),
+    /// The legacy call's descriptors and algorithm, where the graph API could not
+    /// plan the shape: cuDNN builds a graph inside every such call.
+    Legacy { descs: Descriptors, plan: Plan },
+}
+
+impl Conv {
+    fn workspace(&self) -> usize {
+        match self {
+            Conv::Graph(g) => g.workspace,
+            Conv::Legacy { plan, .. } => plan.workspace,
+        }
+    }
+}
+
+/// Whether cuDNN has its graph API's entry points (looked up once).
+fn graph_api() -> bool {
+    static FOUND: OnceLock<bool> = OnceLock::new();
+    *FOUND.get_or_init(|| {
+        has_symbols(&graph::SYMBOLS)
+            .inspect_err(|e| eprintln!("kiln: note: {e}; cuDNN's convolutions take its legacy calls (slower on the host)"))
+            .is_ok()
+    })
+}
+
+/// Whether the loaded cuDNN has every one of `names`: cudarc panics at the first call
+/// of a symbol a slimmed install lacks.
+fn has_symbols(names: &[&str]) -> Result<(), String> {
+    for name in names {
+        // SAFETY: only looks the symbol up; `probe` has loaded the library.
+        let found = unsafe { sys::culib().get::<unsafe extern "C" fn()>(name.as_bytes()) };
+        found.map_err(|e| format!("{name} is missing from cuDNN: {e}"))?;
+    }
+    Ok(())
 }
 
 /// The descriptors of one convolution shape: input, filter and output, and the
@@ -353,12 +403,11 @@ impl Drop for Descriptors {
     }
 }
 
-/// An algorithm for one part of the convolution, with the math type cuDNN paired it
-/// with and its workspace.
+/// An algorithm for one part of the convolution and its workspace (the math type it
+/// runs with stays set on the convolution descriptor).
 #[derive(Debug, Clone, Copy)]
 struct Plan {
     algo: Algo,
-    math: sys::cudnnMathType_t,
     workspace: usize,
 }
 
@@ -462,12 +511,9 @@ fn choose(handle: sys::cudnnHandle_t, key: &ConvKey, d: &Descriptors) -> Result<
             }
         };
         match workspace {
+            // The descriptor keeps this math type for every call (`run`).
             Ok(workspace) if workspace <= MAX_WORKSPACE => {
-                return Ok(Plan {
-                    algo,
-                    math,
-                    workspace,
-                });
+                return Ok(Plan { algo, workspace });
             }
             _ => continue,
         }
@@ -505,8 +551,14 @@ fn run(
     if w.dtype != x.dtype || grad.is_some_and(|g| g.dtype != x.dtype) {
         return Err("mixed dtypes".into());
     }
-    let x = into_contiguous(x.clone());
-    let w = into_contiguous(w.clone());
+    // Only the operands a part reads are made contiguous: of the other its shape is
+    // enough, and in channels-last the weight is a permuted view, so making it
+    // contiguous for the weight gradient would be a copy per convolution and step.
+    let (x, w) = match part {
+        Part::Forward => (into_contiguous(x.clone()), into_contiguous(w.clone())),
+        Part::GradX => (x.clone(), into_contiguous(w.clone())),
+        Part::GradWeight => (into_contiguous(x.clone()), w.clone()),
+    };
     let grad = grad.map(|g| into_contiguous(g.clone()));
     let (xd, wd) = (dims(&x, layout), dims(&w, layout));
     let yd = match &grad {
@@ -533,30 +585,48 @@ fn run(
     let out = client.empty(bytes);
     let job = {
         let (client, key, out) = (client.clone(), key.clone(), out.clone());
-        let (x, w) = (x.handle.clone(), w.handle.clone());
+        let x = (part != Part::GradX).then(|| x.handle.clone());
+        let w = (part != Part::GradWeight).then(|| w.handle.clone());
         let grad = grad.as_ref().map(|g| g.handle.clone());
         move |dnn: &mut Dnn, lane: &mut Lane, h: sys::cudnnHandle_t| {
             let conv = dnn.conv(&key, h)?;
-            let (descs, plan) = (&conv.descs, conv.plan);
-            let workspace = (plan.workspace > 0).then(|| client.empty(plan.workspace));
+            let ws = conv.workspace();
+            let workspace = (ws > 0).then(|| client.empty(ws));
             let buffers = [
-                Some(&x),
-                Some(&w),
+                x.as_ref(),
+                w.as_ref(),
                 Some(&out),
                 grad.as_ref(),
                 workspace.as_ref(),
             ];
-            lane.queue(&client, &buffers, After::Gpu, |_, p| {
+            let kind = match part {
+                Part::Forward => LibraryCall::ConvForward,
+                Part::GradX => LibraryCall::ConvGradX,
+                Part::GradWeight => LibraryCall::ConvGradWeight,
+            };
+            lane.queue(&client, &buffers, After::Gpu, kind, |_, p| {
                 let [px, pw, pout, pgrad, pws] = [p[0], p[1], p[2], p[3], p[4]];
+                let (descs, plan) = match &*conv {
+                    Conv::Graph(g) => {
+                        let forward_roles = match part {
+                            Part::Forward => [px, pw, pout],
+                            Part::GradX => [pout, pw, pgrad],
+                            Part::GradWeight => [px, pout, pgrad],
+                        };
+                        // SAFETY: as below.
+                        return unsafe { g.execute(h, forward_roles, pws) }
+                            .map_err(|e| format!("{key:?}: {e}"));
+                    }
+                    Conv::Legacy { descs, plan } => (descs, plan),
+                };
                 let (a, b) = write_scaling();
-                let ws = plan.workspace;
                 let err = |e: dnn::CudnnError| format!("{key:?}: {e:?}");
                 // SAFETY: the pointers are live device buffers of the sizes the
                 // descriptors state (contiguous, in the described layout, checked
                 // dtypes) and the workspace is as large as cuDNN asked (`queue` orders
-                // the stream).
+                // the stream). The descriptor carries the plan's math type from
+                // `choose` on.
                 unsafe {
-                    dnn::set_convolution_math_type(descs.conv, plan.math).map_err(err)?;
                     match plan.algo {
                         Algo::Forward(algo) => dnn::convolution_forward(
                             h, a, descs.x, px, descs.w, pw, descs.conv, algo, pws, ws, b, descs.y,

@@ -24,8 +24,8 @@ use cubecl::device::{Device, DeviceId, DeviceService, ServerUtilitiesHandle};
 use cubecl::device_handle::DeviceHandle;
 use cudarc::driver::{result as drv, sys as dsys};
 
-use super::KilnWaits;
 use super::stream_order::Handover;
+use super::{KilnWaits, LibraryCall};
 
 pub(crate) type Client = burn::cubecl::client::ComputeClient<CudaRuntime>;
 
@@ -206,6 +206,13 @@ static ON_DEVICE_THREAD: TimeCounter = TimeCounter::new();
 static HOST_SYNCS: TimeCounter = TimeCounter::new();
 /// Work queued by [`queue_on_device_thread`], as the device thread ran it.
 static QUEUED: TimeCounter = TimeCounter::new();
+/// Of the work on the device thread, the library calls themselves inside
+/// [`Lane::queue`], by kind.
+static LIBRARY_CALLS: [TimeCounter; LibraryCall::ALL.len()] =
+    [const { TimeCounter::new() }; LibraryCall::ALL.len()];
+/// Of the work on the device thread, the hand-over's launches (`stream_order`) before
+/// and after each call, counted twice per call.
+static ORDERING: TimeCounter = TimeCounter::new();
 
 /// Every thread's round trips and host waits so far (`ops::kiln_waits`).
 pub(crate) fn kiln_waits() -> KilnWaits {
@@ -213,7 +220,11 @@ pub(crate) fn kiln_waits() -> KilnWaits {
     let (_, on_device_thread_s) = ON_DEVICE_THREAD.read();
     let (host_syncs, host_sync_s) = HOST_SYNCS.read();
     let (queued, _) = QUEUED.read();
+    let library_call_s = LIBRARY_CALLS.each_ref().map(|c| c.read().1);
+    let (_, ordering_s) = ORDERING.read();
     KilnWaits {
+        library_call_s,
+        ordering_s,
         queued,
         round_trips,
         round_trip_s,
@@ -233,7 +244,7 @@ pub(crate) fn on_kiln_stream(
     call: impl FnOnce(dsys::CUstream, &[*mut c_void]) -> Result<(), String> + Send,
 ) -> Result<(), String> {
     on_device_thread(client, ordinal, |lane| {
-        lane.queue(client, buffers, After::Gpu, call)
+        lane.queue(client, buffers, After::Gpu, LibraryCall::Upload, call)
     })
 }
 
@@ -280,6 +291,7 @@ impl Lane {
         client: &Client,
         buffers: &[Option<&Handle>],
         after: After,
+        kind: LibraryCall,
         call: impl FnOnce(dsys::CUstream, &[*mut c_void]) -> Result<(), String>,
     ) -> Result<(), String> {
         let stream = self.stream;
@@ -292,11 +304,13 @@ impl Lane {
                     .transpose()
             })
             .collect::<Result<Vec<_>, _>>()?;
+        let ordering = Instant::now();
         let token = self.handover(client).and_then(|h| {
             h.wait_for_cubecl(client, stream)
                 .inspect_err(|e| warn_host_sync(e))
                 .ok()
         });
+        ORDERING.add(ordering);
         let pointers: Vec<*mut c_void> = resources
             .iter()
             .map(|r| {
@@ -311,7 +325,10 @@ impl Lane {
             HOST_SYNCS.add(start);
             synced?;
         }
+        let called = Instant::now();
         let result = call(stream, &pointers);
+        LIBRARY_CALLS[kind as usize].add(called);
+        let ordering = Instant::now();
         // Even when the call reported an error: work it queued may still use the
         // buffers, which cubecl may hand out again once this returns.
         let ordered = match (token, self.handover(client)) {
@@ -321,6 +338,7 @@ impl Lane {
                 .is_ok(),
             _ => false,
         };
+        ORDERING.add(ordering);
         let waited = if ordered {
             Ok(())
         } else {

@@ -153,6 +153,12 @@ pub struct KilnWaits {
     /// Of `round_trip_s` and the queued calls, kiln's work on the device thread (cuDNN's calls, the
     /// hand-over, host waits); the rest waited for the thread to reach the call.
     pub on_device_thread_s: f64,
+    /// Of `on_device_thread_s`: the library calls themselves, by kind
+    /// ([`LibraryCall::ALL`]'s order).
+    pub library_call_s: [f64; LibraryCall::ALL.len()],
+    /// Of `on_device_thread_s`: the hand-over's launches that order kiln's stream
+    /// against cubecl's (`stream_order`).
+    pub ordering_s: f64,
     pub host_syncs: u64,
     pub host_sync_s: f64,
 }
@@ -165,8 +171,47 @@ impl KilnWaits {
             round_trip_s: self.round_trip_s - earlier.round_trip_s,
             queued: self.queued - earlier.queued,
             on_device_thread_s: self.on_device_thread_s - earlier.on_device_thread_s,
+            library_call_s: std::array::from_fn(|i| {
+                self.library_call_s[i] - earlier.library_call_s[i]
+            }),
+            ordering_s: self.ordering_s - earlier.ordering_s,
             host_syncs: self.host_syncs - earlier.host_syncs,
             host_sync_s: self.host_sync_s - earlier.host_sync_s,
+        }
+    }
+}
+
+/// The calls kiln makes into a GPU library on its own stream, timed by kind
+/// ([`KilnWaits::library_call_s`]).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LibraryCall {
+    ConvForward,
+    ConvGradX,
+    ConvGradWeight,
+    NormForward,
+    NormBackward,
+    Upload,
+}
+
+impl LibraryCall {
+    pub const ALL: [LibraryCall; 6] = [
+        LibraryCall::ConvForward,
+        LibraryCall::ConvGradX,
+        LibraryCall::ConvGradWeight,
+        LibraryCall::NormForward,
+        LibraryCall::NormBackward,
+        LibraryCall::Upload,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            LibraryCall::ConvForward => "conv_forward",
+            LibraryCall::ConvGradX => "conv_grad_x",
+            LibraryCall::ConvGradWeight => "conv_grad_weight",
+            LibraryCall::NormForward => "norm_forward",
+            LibraryCall::NormBackward => "norm_backward",
+            LibraryCall::Upload => "upload",
         }
     }
 }

@@ -4,7 +4,8 @@
 //! phase. With several devices the global batch is `batch x devices`, split by the
 //! data-parallel learner.
 
-use crate::ops::{KilnWaits, TrainBackend, kiln_waits};
+use crate::ops::{KilnWaits, LibraryCall, TrainBackend, kiln_waits};
+use std::collections::BTreeMap;
 use std::time::Instant;
 
 use burn::optim::GradientsParams;
@@ -55,6 +56,9 @@ pub struct Waits {
     pub round_trip_ms: f64,
     pub queued: f64,
     pub on_device_thread_ms: f64,
+    /// By kind of call ([`LibraryCall::name`]).
+    pub library_call_ms: BTreeMap<&'static str, f64>,
+    pub ordering_ms: f64,
     pub host_syncs: f64,
     pub host_sync_ms: f64,
 }
@@ -67,6 +71,12 @@ impl Waits {
             round_trip_ms: w.round_trip_s * 1e3 / n,
             queued: w.queued as f64 / n,
             on_device_thread_ms: w.on_device_thread_s * 1e3 / n,
+            library_call_ms: LibraryCall::ALL
+                .iter()
+                .zip(w.library_call_s)
+                .map(|(kind, s)| (kind.name(), s * 1e3 / n))
+                .collect(),
+            ordering_ms: w.ordering_s * 1e3 / n,
             host_syncs: w.host_syncs as f64 / n,
             host_sync_ms: w.host_sync_s * 1e3 / n,
         }

@@ -14,12 +14,12 @@ use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
 use cudarc::cudnn::{result as dnn, sys};
 
 use super::{
-    Dnn, Planned, Tensor, data_type, dims, on_cudnn_planned, tensor_format, warn_once,
+    Dnn, Planned, Tensor, data_type, dims, has_symbols, on_cudnn_planned, tensor_format, warn_once,
     write_scaling,
 };
 use crate::ops::kiln_stream::{After, Client, Lane};
 use crate::ops::norm::{grad_reference, train_reference};
-use crate::ops::{Layout, NormBackend};
+use crate::ops::{Layout, LibraryCall, NormBackend};
 
 static BATCH_NORM: AtomicBool = AtomicBool::new(false);
 
@@ -38,17 +38,6 @@ pub fn probe_batch_norm() -> Result<(), String> {
         "cudnnBatchNormalizationForwardTraining",
         "cudnnBatchNormalizationBackward",
     ])
-}
-
-/// Whether the loaded cuDNN has every one of `names`: cudarc panics at the first call
-/// of a symbol a slimmed install lacks.
-fn has_symbols(names: &[&str]) -> Result<(), String> {
-    for name in names {
-        // SAFETY: only looks the symbol up; `probe` has loaded the library.
-        let found = unsafe { sys::culib().get::<unsafe extern "C" fn()>(name.as_bytes()) };
-        found.map_err(|e| format!("{name} is missing from cuDNN: {e}"))?;
-    }
-    Ok(())
 }
 
 /// What one batch-normalisation input's descriptors depend on.
@@ -314,64 +303,70 @@ fn norm_train(
                 .map(Some)
                 .chain([workspace.as_ref()])
                 .collect::<Vec<_>>();
-            lane.queue(&client, &buffers, key.after(), |_, p| {
-                let (a, b) = write_scaling();
-                // SAFETY: contiguous buffers of the described shapes and dtypes, the
-                // workspace as large as cuDNN asked; the running statistics (both null) are
-                // updated by the caller, as Burn's module does.
-                unsafe {
-                    match descs.ex {
-                        Some(ex) => sys::cudnnBatchNormalizationForwardTrainingEx(
-                            h,
-                            descs.mode,
-                            OPS_BN,
-                            a,
-                            b,
-                            descs.x,
-                            p[0],
-                            null_mut(),
-                            null(),
-                            descs.x,
-                            p[3],
-                            descs.channel,
-                            p[1],
-                            p[2],
-                            0.0,
-                            null_mut(),
-                            null_mut(),
-                            epsilon,
-                            p[4],
-                            p[5],
-                            null_mut(),
-                            p[6],
-                            ex.forward,
-                            null_mut(),
-                            0,
-                        ),
-                        None => sys::cudnnBatchNormalizationForwardTraining(
-                            h,
-                            descs.mode,
-                            a,
-                            b,
-                            descs.x,
-                            p[0],
-                            descs.x,
-                            p[3],
-                            descs.channel,
-                            p[1],
-                            p[2],
-                            0.0,
-                            null_mut(),
-                            null_mut(),
-                            epsilon,
-                            p[4],
-                            p[5],
-                        ),
+            lane.queue(
+                &client,
+                &buffers,
+                key.after(),
+                LibraryCall::NormForward,
+                |_, p| {
+                    let (a, b) = write_scaling();
+                    // SAFETY: contiguous buffers of the described shapes and dtypes, the
+                    // workspace as large as cuDNN asked; the running statistics (both null) are
+                    // updated by the caller, as Burn's module does.
+                    unsafe {
+                        match descs.ex {
+                            Some(ex) => sys::cudnnBatchNormalizationForwardTrainingEx(
+                                h,
+                                descs.mode,
+                                OPS_BN,
+                                a,
+                                b,
+                                descs.x,
+                                p[0],
+                                null_mut(),
+                                null(),
+                                descs.x,
+                                p[3],
+                                descs.channel,
+                                p[1],
+                                p[2],
+                                0.0,
+                                null_mut(),
+                                null_mut(),
+                                epsilon,
+                                p[4],
+                                p[5],
+                                null_mut(),
+                                p[6],
+                                ex.forward,
+                                null_mut(),
+                                0,
+                            ),
+                            None => sys::cudnnBatchNormalizationForwardTraining(
+                                h,
+                                descs.mode,
+                                a,
+                                b,
+                                descs.x,
+                                p[0],
+                                descs.x,
+                                p[3],
+                                descs.channel,
+                                p[1],
+                                p[2],
+                                0.0,
+                                null_mut(),
+                                null_mut(),
+                                epsilon,
+                                p[4],
+                                p[5],
+                            ),
+                        }
                     }
-                }
-                .result()
-                .map_err(|e| format!("batch norm forward {key:?}: {e:?}"))
-            })
+                    .result()
+                    .map_err(|e| format!("batch norm forward {key:?}: {e:?}"))
+                },
+            )
         }
     };
     on_cudnn_planned(&client, &x.device, Planned::NormTrain(key), job)?;
@@ -404,71 +399,77 @@ fn norm_grad(
                 .map(Some)
                 .chain([workspace.as_ref()])
                 .collect::<Vec<_>>();
-            lane.queue(&client, &buffers, key.after(), |_, p| {
-                let (a, b) = write_scaling();
-                // SAFETY: contiguous buffers of the described shapes and dtypes, the
-                // workspace as large as cuDNN asked; mean and inverse deviation are the
-                // forward pass's, computed with the same epsilon.
-                unsafe {
-                    match descs.ex {
-                        Some(ex) => sys::cudnnBatchNormalizationBackwardEx(
-                            h,
-                            descs.mode,
-                            OPS_BN,
-                            a,
-                            b,
-                            a,
-                            b,
-                            descs.x,
-                            p[0],
-                            null_mut(),
-                            null(),
-                            descs.x,
-                            p[4],
-                            null_mut(),
-                            null_mut(),
-                            descs.x,
-                            p[5],
-                            descs.channel,
-                            p[1],
-                            null(),
-                            p[6],
-                            p[7],
-                            epsilon,
-                            p[2],
-                            p[3],
-                            null_mut(),
-                            p[8],
-                            ex.backward,
-                            null_mut(),
-                            0,
-                        ),
-                        None => sys::cudnnBatchNormalizationBackward(
-                            h,
-                            descs.mode,
-                            a,
-                            b,
-                            a,
-                            b,
-                            descs.x,
-                            p[0],
-                            descs.x,
-                            p[4],
-                            descs.x,
-                            p[5],
-                            descs.channel,
-                            p[1],
-                            p[6],
-                            p[7],
-                            epsilon,
-                            p[2],
-                            p[3],
-                        ),
+            lane.queue(
+                &client,
+                &buffers,
+                key.after(),
+                LibraryCall::NormBackward,
+                |_, p| {
+                    let (a, b) = write_scaling();
+                    // SAFETY: contiguous buffers of the described shapes and dtypes, the
+                    // workspace as large as cuDNN asked; mean and inverse deviation are the
+                    // forward pass's, computed with the same epsilon.
+                    unsafe {
+                        match descs.ex {
+                            Some(ex) => sys::cudnnBatchNormalizationBackwardEx(
+                                h,
+                                descs.mode,
+                                OPS_BN,
+                                a,
+                                b,
+                                a,
+                                b,
+                                descs.x,
+                                p[0],
+                                null_mut(),
+                                null(),
+                                descs.x,
+                                p[4],
+                                null_mut(),
+                                null_mut(),
+                                descs.x,
+                                p[5],
+                                descs.channel,
+                                p[1],
+                                null(),
+                                p[6],
+                                p[7],
+                                epsilon,
+                                p[2],
+                                p[3],
+                                null_mut(),
+                                p[8],
+                                ex.backward,
+                                null_mut(),
+                                0,
+                            ),
+                            None => sys::cudnnBatchNormalizationBackward(
+                                h,
+                                descs.mode,
+                                a,
+                                b,
+                                a,
+                                b,
+                                descs.x,
+                                p[0],
+                                descs.x,
+                                p[4],
+                                descs.x,
+                                p[5],
+                                descs.channel,
+                                p[1],
+                                p[6],
+                                p[7],
+                                epsilon,
+                                p[2],
+                                p[3],
+                            ),
+                        }
                     }
-                }
-                .result()
-                .map_err(|e| format!("batch norm backward {key:?}: {e:?}"))
-            })
+                    .result()
+                    .map_err(|e| format!("batch norm backward {key:?}: {e:?}"))
+                },
+            )
         }
     };
     on_cudnn_planned(&client, &x.device, Planned::NormGrad(key), job)?;
