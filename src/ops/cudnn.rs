@@ -11,12 +11,14 @@
 //! cubecl's stream before and for its own after, as the first version did (two host
 //! synchronisations per convolution, each draining the GPU's queue).
 //!
-//! A call runs whole on cubecl's device thread (`ComputeClient::exclusive`): the device
-//! addresses of a call's buffers are known only there, and each question asked from the
-//! fusion thread that queues the call is a blocking round trip that waits for that
-//! thread's queue to drain. One trip per call instead of one per buffer (five to nine);
-//! the descriptors and algorithm of each shape are made once and kept with the thread's
-//! cuDNN handle.
+//! A call runs whole on cubecl's device thread: the device addresses of a call's
+//! buffers are known only there, and each question asked from the fusion thread that
+//! queues the call is a blocking round trip that waits for that thread's queue to
+//! drain. Each shape's first call is one such trip (`ComputeClient::exclusive`), so a
+//! shape cuDNN refuses reports it; later calls are queued there without waiting
+//! (`on_cudnn_planned`). Each shape's execution plan is made once (`graph`, cuDNN's
+//! graph API; the legacy calls' descriptors and algorithm where that cannot plan it)
+//! and kept with the thread's cuDNN handle.
 
 use std::cell::RefCell;
 use std::collections::{HashMap, HashSet};

@@ -2,6 +2,7 @@
 //! training pass (batch statistics) forward and backward as one cuDNN call each, on
 //! kiln's stream as the convolutions are (see the parent module).
 
+use std::ffi::c_void;
 use std::ptr::{null, null_mut};
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -289,88 +290,63 @@ fn norm_train(
     layout: Layout,
 ) -> Result<[Tensor; 3], String> {
     let ([x, gamma, beta], key) = norm_inputs([x, gamma, beta], &[0], layout)?;
-    let client = x.client.clone();
-    let outputs = norm_buffers(&client, &x, &key);
-    let job = {
-        let (client, outputs) = (client.clone(), outputs.clone());
-        let inputs = [&x, &gamma, &beta].map(|t| t.handle.clone());
-        move |dnn: &mut Dnn, lane: &mut Lane, h: sys::cudnnHandle_t| {
-            let descs = dnn.norm(key, h)?;
-            let workspace = descs.ex.and_then(|ex| workspace(&client, ex.forward));
-            let buffers = inputs
-                .iter()
-                .chain(&outputs)
-                .map(Some)
-                .chain([workspace.as_ref()])
-                .collect::<Vec<_>>();
-            lane.queue(
-                &client,
-                &buffers,
-                key.after(),
-                LibraryCall::NormForward,
-                |_, p| {
-                    let (a, b) = write_scaling();
-                    // SAFETY: contiguous buffers of the described shapes and dtypes, the
-                    // workspace as large as cuDNN asked; the running statistics (both null) are
-                    // updated by the caller, as Burn's module does.
-                    unsafe {
-                        match descs.ex {
-                            Some(ex) => sys::cudnnBatchNormalizationForwardTrainingEx(
-                                h,
-                                descs.mode,
-                                OPS_BN,
-                                a,
-                                b,
-                                descs.x,
-                                p[0],
-                                null_mut(),
-                                null(),
-                                descs.x,
-                                p[3],
-                                descs.channel,
-                                p[1],
-                                p[2],
-                                0.0,
-                                null_mut(),
-                                null_mut(),
-                                epsilon,
-                                p[4],
-                                p[5],
-                                null_mut(),
-                                p[6],
-                                ex.forward,
-                                null_mut(),
-                                0,
-                            ),
-                            None => sys::cudnnBatchNormalizationForwardTraining(
-                                h,
-                                descs.mode,
-                                a,
-                                b,
-                                descs.x,
-                                p[0],
-                                descs.x,
-                                p[3],
-                                descs.channel,
-                                p[1],
-                                p[2],
-                                0.0,
-                                null_mut(),
-                                null_mut(),
-                                epsilon,
-                                p[4],
-                                p[5],
-                            ),
-                        }
-                    }
-                    .result()
-                    .map_err(|e| format!("batch norm forward {key:?}: {e:?}"))
-                },
-            )
+    let inputs = [&x, &gamma, &beta].map(|t| t.handle.clone()).to_vec();
+    queue_norm(&x, key, Pass::Train, inputs, move |descs, h, p| {
+        let (a, b) = write_scaling();
+        // SAFETY: contiguous buffers of the described shapes and dtypes, the
+        // workspace as large as cuDNN asked; the running statistics (both null) are
+        // updated by the caller, as Burn's module does.
+        unsafe {
+            match descs.ex {
+                Some(ex) => sys::cudnnBatchNormalizationForwardTrainingEx(
+                    h,
+                    descs.mode,
+                    OPS_BN,
+                    a,
+                    b,
+                    descs.x,
+                    p[0],
+                    null_mut(),
+                    null(),
+                    descs.x,
+                    p[3],
+                    descs.channel,
+                    p[1],
+                    p[2],
+                    0.0,
+                    null_mut(),
+                    null_mut(),
+                    epsilon,
+                    p[4],
+                    p[5],
+                    null_mut(),
+                    p[6],
+                    ex.forward,
+                    null_mut(),
+                    0,
+                ),
+                None => sys::cudnnBatchNormalizationForwardTraining(
+                    h,
+                    descs.mode,
+                    a,
+                    b,
+                    descs.x,
+                    p[0],
+                    descs.x,
+                    p[3],
+                    descs.channel,
+                    p[1],
+                    p[2],
+                    0.0,
+                    null_mut(),
+                    null_mut(),
+                    epsilon,
+                    p[4],
+                    p[5],
+                ),
+            }
         }
-    };
-    on_cudnn_planned(&client, &x.device, Planned::NormTrain(key), job)?;
-    Ok(norm_outputs(&client, &x, &key, outputs))
+    })
 }
 
 /// [`NormBackend::batch_norm_grad`] through cuDNN.
@@ -385,95 +361,128 @@ fn norm_grad(
 ) -> Result<[Tensor; 3], String> {
     let ([x, gamma, mean, inv_std, dy], key) =
         norm_inputs([x, gamma, mean, inv_std, dy], &[0, 4], layout)?;
+    let inputs = [&x, &gamma, &mean, &inv_std, &dy]
+        .map(|t| t.handle.clone())
+        .to_vec();
+    queue_norm(&x, key, Pass::Grad, inputs, move |descs, h, p| {
+        let (a, b) = write_scaling();
+        // SAFETY: contiguous buffers of the described shapes and dtypes, the
+        // workspace as large as cuDNN asked; mean and inverse deviation are the
+        // forward pass's, computed with the same epsilon.
+        unsafe {
+            match descs.ex {
+                Some(ex) => sys::cudnnBatchNormalizationBackwardEx(
+                    h,
+                    descs.mode,
+                    OPS_BN,
+                    a,
+                    b,
+                    a,
+                    b,
+                    descs.x,
+                    p[0],
+                    null_mut(),
+                    null(),
+                    descs.x,
+                    p[4],
+                    null_mut(),
+                    null_mut(),
+                    descs.x,
+                    p[5],
+                    descs.channel,
+                    p[1],
+                    null(),
+                    p[6],
+                    p[7],
+                    epsilon,
+                    p[2],
+                    p[3],
+                    null_mut(),
+                    p[8],
+                    ex.backward,
+                    null_mut(),
+                    0,
+                ),
+                None => sys::cudnnBatchNormalizationBackward(
+                    h,
+                    descs.mode,
+                    a,
+                    b,
+                    a,
+                    b,
+                    descs.x,
+                    p[0],
+                    descs.x,
+                    p[4],
+                    descs.x,
+                    p[5],
+                    descs.channel,
+                    p[1],
+                    p[6],
+                    p[7],
+                    epsilon,
+                    p[2],
+                    p[3],
+                ),
+            }
+        }
+    })
+}
+
+/// Which batch-norm call a [`queue_norm`] makes.
+#[derive(Clone, Copy)]
+enum Pass {
+    Train,
+    Grad,
+}
+
+/// Queues one batch-norm call of `pass` over `x` (described by `key`) on cuDNN (as a
+/// round trip for the shape's first call, `on_cudnn_planned`): `call` gets the
+/// descriptors, the handle and the addresses of `inputs`, then of the three outputs
+/// made here, then of the workspace cuDNN's extended calls ask for (null without).
+fn queue_norm(
+    x: &Tensor,
+    key: NormKey,
+    pass: Pass,
+    inputs: Vec<Handle>,
+    call: impl FnOnce(&NormDescriptors, sys::cudnnHandle_t, &[*mut c_void]) -> sys::cudnnStatus_t
+    + Send
+    + 'static,
+) -> Result<[Tensor; 3], String> {
     let client = x.client.clone();
-    let outputs = norm_buffers(&client, &x, &key);
+    let outputs = norm_buffers(&client, x, &key);
+    let (planned, kind, what) = match pass {
+        Pass::Train => (Planned::NormTrain(key), LibraryCall::NormForward, "forward"),
+        Pass::Grad => (
+            Planned::NormGrad(key),
+            LibraryCall::NormBackward,
+            "backward",
+        ),
+    };
     let job = {
         let (client, outputs) = (client.clone(), outputs.clone());
-        let inputs = [&x, &gamma, &mean, &inv_std, &dy].map(|t| t.handle.clone());
         move |dnn: &mut Dnn, lane: &mut Lane, h: sys::cudnnHandle_t| {
             let descs = dnn.norm(key, h)?;
-            let workspace = descs.ex.and_then(|ex| workspace(&client, ex.backward));
+            let bytes = descs.ex.map(|ex| match pass {
+                Pass::Train => ex.forward,
+                Pass::Grad => ex.backward,
+            });
+            let workspace = bytes.and_then(|b| workspace(&client, b));
             let buffers = inputs
                 .iter()
                 .chain(&outputs)
                 .map(Some)
                 .chain([workspace.as_ref()])
                 .collect::<Vec<_>>();
-            lane.queue(
-                &client,
-                &buffers,
-                key.after(),
-                LibraryCall::NormBackward,
-                |_, p| {
-                    let (a, b) = write_scaling();
-                    // SAFETY: contiguous buffers of the described shapes and dtypes, the
-                    // workspace as large as cuDNN asked; mean and inverse deviation are the
-                    // forward pass's, computed with the same epsilon.
-                    unsafe {
-                        match descs.ex {
-                            Some(ex) => sys::cudnnBatchNormalizationBackwardEx(
-                                h,
-                                descs.mode,
-                                OPS_BN,
-                                a,
-                                b,
-                                a,
-                                b,
-                                descs.x,
-                                p[0],
-                                null_mut(),
-                                null(),
-                                descs.x,
-                                p[4],
-                                null_mut(),
-                                null_mut(),
-                                descs.x,
-                                p[5],
-                                descs.channel,
-                                p[1],
-                                null(),
-                                p[6],
-                                p[7],
-                                epsilon,
-                                p[2],
-                                p[3],
-                                null_mut(),
-                                p[8],
-                                ex.backward,
-                                null_mut(),
-                                0,
-                            ),
-                            None => sys::cudnnBatchNormalizationBackward(
-                                h,
-                                descs.mode,
-                                a,
-                                b,
-                                a,
-                                b,
-                                descs.x,
-                                p[0],
-                                descs.x,
-                                p[4],
-                                descs.x,
-                                p[5],
-                                descs.channel,
-                                p[1],
-                                p[6],
-                                p[7],
-                                epsilon,
-                                p[2],
-                                p[3],
-                            ),
-                        }
-                    }
+            lane.queue(&client, &buffers, key.after(), kind, |_, p| {
+                call(&descs, h, p)
                     .result()
-                    .map_err(|e| format!("batch norm backward {key:?}: {e:?}"))
-                },
-            )
+                    .map_err(|e| format!("batch norm {what} {key:?}: {e:?}"))
+            })
         }
     };
-    on_cudnn_planned(&client, &x.device, Planned::NormGrad(key), job)?;
-    Ok(norm_outputs(&client, &x, &key, outputs))
+    on_cudnn_planned(&client, &x.device, planned, job)?;
+    Ok(norm_outputs(&client, x, &key, outputs))
 }
 
 /// cuDNN's result, or `None` (Burn's operations) when BatchNorm is not routed to
