@@ -23,7 +23,7 @@
 use std::cell::RefCell;
 use std::collections::{HashMap, HashSet};
 use std::ffi::c_void;
-use std::mem::MaybeUninit;
+use std::mem::{ManuallyDrop, MaybeUninit};
 use std::rc::Rc;
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -120,7 +120,7 @@ pub fn probe(ordinal: usize) -> Result<String, String> {
 struct Dnn {
     /// Made on the first cuDNN call, so work without cuDNN needs no cuDNN.
     handle: Option<sys::cudnnHandle_t>,
-    /// Each convolution shape's descriptors and algorithm, or why cuDNN cannot run it
+    /// Each convolution shape's plan ([`Conv`]), or why cuDNN cannot run it
     /// (remembered, so such a shape goes straight to Burn's kernels).
     convs: HashMap<ConvKey, Result<Rc<Conv>, String>>,
     /// Each batch-norm input's descriptors.
@@ -128,10 +128,11 @@ struct Dnn {
 }
 
 thread_local! {
-    // Kept until the thread ends, then leaked: a replica thread ends with its training,
-    // and destroying a handle after its context may be gone is worse than one handle
-    // per device and training.
-    static DNN: RefCell<HashMap<usize, Dnn>> = RefCell::new(HashMap::new());
+    // Kept until the thread ends, then leaked, handle, descriptors and plans alike: a
+    // replica thread ends with its training, and destroying cuDNN's objects after
+    // their context may be gone is worse than one set per device and training.
+    static DNN: RefCell<ManuallyDrop<HashMap<usize, Dnn>>> =
+        RefCell::new(ManuallyDrop::new(HashMap::new()));
 }
 
 /// `f` with this thread's cuDNN state for GPU `ordinal`, inside a [`with_lane`] (or
@@ -219,8 +220,8 @@ impl Dnn {
         Ok(handle)
     }
 
-    /// The descriptors and algorithm of the convolution `key` describes, made on its
-    /// first call.
+    /// The plan of the convolution `key` describes (the graph API's, else the legacy
+    /// call's descriptors and algorithm), made on its first call.
     fn conv(&mut self, key: &ConvKey, handle: sys::cudnnHandle_t) -> Result<Rc<Conv>, String> {
         if let Some(known) = self.convs.get(key) {
             return known.clone();
@@ -262,7 +263,7 @@ impl Dnn {
     }
 }
 
-/// What one convolution's descriptors and algorithm depend on.
+/// What one convolution's plan depends on.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 struct ConvKey {
     part: Part,
@@ -615,7 +616,10 @@ fn run(
                             Part::GradX => [pout, pw, pgrad],
                             Part::GradWeight => [px, pout, pgrad],
                         };
-                        // SAFETY: as below.
+                        // SAFETY: `execute`'s contract: the buffers are contiguous in
+                        // the key's layout and dtype, the workspace as large as the
+                        // plan asked, cubecl's buffers 512-byte aligned, and `queue`
+                        // orders the stream.
                         return unsafe { g.execute(h, forward_roles, pws) }
                             .map_err(|e| format!("{key:?}: {e}"));
                     }

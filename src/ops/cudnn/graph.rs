@@ -365,7 +365,10 @@ fn proposals(heuristics: &Desc) -> Result<Vec<Desc>, String> {
             null_mut(),
         )
     })?;
-    let configs = (0..count.max(0))
+    if count <= 0 {
+        return Ok(Vec::new());
+    }
+    let configs = (0..count)
         .map(|_| Desc::new(Kind::CUDNN_BACKEND_ENGINECFG_DESCRIPTOR))
         .collect::<Result<Vec<_>, _>>()?;
     let mut raw: Vec<sys::cudnnBackendDescriptor_t> = configs.iter().map(|c| c.0).collect();
