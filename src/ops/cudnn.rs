@@ -93,7 +93,7 @@ pub fn probe(ordinal: usize) -> Result<String, String> {
             .map_err(|e| format!("cuDNN's operations library: {e:?}"))?;
     }
     with_lane(ordinal, |lane| {
-        with_dnn(ordinal, |dnn| {
+        with_cudnn(ordinal, lane, |dnn, _, handle| {
             // A small convolution planned end to end, as training will.
             let key = ConvKey {
                 part: Part::Forward,
@@ -102,7 +102,6 @@ pub fn probe(ordinal: usize) -> Result<String, String> {
                 options: ConvOptions::new([1, 1], [1, 1], [1, 1], 1),
                 layout: Layout::Nchw,
             };
-            let handle = dnn.handle(lane.stream())?;
             dnn.conv(&key, handle).map(|_| ())
         })
     })?;
@@ -149,19 +148,27 @@ fn with_dnn<T>(ordinal: usize, f: impl FnOnce(&mut Dnn) -> Result<T, String>) ->
     })
 }
 
+/// `work` with this thread's cuDNN state for GPU `ordinal`, `lane` (this thread's for
+/// that GPU) and the cuDNN handle on its stream.
+fn with_cudnn<T>(
+    ordinal: usize,
+    lane: &mut Lane,
+    work: impl FnOnce(&mut Dnn, &mut Lane, sys::cudnnHandle_t) -> Result<T, String>,
+) -> Result<T, String> {
+    with_dnn(ordinal, |dnn| {
+        let handle = dnn.handle(lane.stream())?;
+        work(dnn, lane, handle)
+    })
+}
+
 /// Runs `work` on cubecl's device thread ([`on_device_thread`]) with that thread's cuDNN
-/// state, lane and cuDNN handle for GPU `ordinal`.
+/// state, lane and cuDNN handle for GPU `ordinal` ([`with_cudnn`]).
 fn on_cudnn<T: Send + 'static>(
     client: &Client,
     ordinal: usize,
     work: impl FnOnce(&mut Dnn, &mut Lane, sys::cudnnHandle_t) -> Result<T, String> + Send,
 ) -> Result<T, String> {
-    on_device_thread(client, ordinal, |lane| {
-        with_dnn(ordinal, |dnn| {
-            let handle = dnn.handle(lane.stream())?;
-            work(dnn, lane, handle)
-        })
-    })
+    on_device_thread(client, ordinal, |lane| with_cudnn(ordinal, lane, work))
 }
 
 /// A shape cuDNN has run once on the calling thread's device.
@@ -191,12 +198,7 @@ fn on_cudnn_planned(
     let ordinal = device.index;
     let entry = (ordinal, shape);
     if PLANNED.with(|p| p.borrow().contains(&entry)) {
-        queue_on_device_thread(device, ordinal, move |lane| {
-            with_dnn(ordinal, |dnn| {
-                let handle = dnn.handle(lane.stream())?;
-                work(dnn, lane, handle)
-            })
-        });
+        queue_on_device_thread(device, ordinal, move |lane| with_cudnn(ordinal, lane, work));
         return Ok(());
     }
     on_cudnn(client, ordinal, work)?;
