@@ -109,6 +109,17 @@ pub(super) struct GraphPlan {
     pub(super) workspace: usize,
 }
 
+/// The strides of a contiguous tensor in `layout` with `dims` in NCHW (KCRS) order,
+/// in that order too: its own axes' strides, reordered by the layout's axis table.
+fn strides(dims: [i32; 4], layout: Layout) -> [i64; 4] {
+    let laid_out = layout.laid_out_dims(dims.map(|d| d as usize));
+    let mut strides = [1; 4];
+    for axis in (0..3).rev() {
+        strides[axis] = strides[axis + 1] * laid_out[axis + 1];
+    }
+    layout.nchw_dims(strides).map(|s| s as i64)
+}
+
 /// A 4-d tensor of `data` with `dims` in NCHW (KCRS) order, laid out as `layout`.
 fn tensor(
     id: i64,
@@ -116,11 +127,8 @@ fn tensor(
     dims: [i32; 4],
     layout: Layout,
 ) -> Result<Desc, String> {
+    let strides = strides(dims, layout);
     let [n, c, h, w] = dims.map(i64::from);
-    let strides = match layout {
-        Layout::Nchw => [c * h * w, h * w, w, 1],
-        Layout::Nhwc => [h * w * c, 1, w * c, c],
-    };
     let t = Desc::new(Kind::CUDNN_BACKEND_TENSOR_DESCRIPTOR)?;
     t.set(
         Attr::CUDNN_ATTR_TENSOR_DATA_TYPE,
@@ -388,4 +396,16 @@ fn proposals(heuristics: &Desc) -> Result<Vec<Desc>, String> {
     let mut configs = configs;
     configs.truncate(written.clamp(0, count) as usize);
     Ok(configs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn strides_follow_the_layout() {
+        // N=2, C=3, H=4, W=5.
+        assert_eq!(strides([2, 3, 4, 5], Layout::Nchw), [60, 20, 5, 1]);
+        assert_eq!(strides([2, 3, 4, 5], Layout::Nhwc), [60, 1, 15, 3]);
+    }
 }
