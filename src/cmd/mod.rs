@@ -60,8 +60,13 @@ fn kernel_settings(
         }
     };
     let usable = probe.map(|p| p.and_then(|_| probe_cudnn_batch_norm()));
+    let own_kernels = config.train.channels_last && norm == BatchNormKernels::Auto;
     let cudnn_batch_norm = match (usable, norm) {
         (None, _) | (_, BatchNormKernels::Burn) => false,
+        (Some(_), _) if own_kernels => {
+            eprintln!("kiln: batch norm: kiln's channels-last kernels");
+            false
+        }
         (Some(Ok(())), _) => {
             eprintln!("kiln: batch norm: cuDNN");
             true
@@ -76,13 +81,16 @@ fn kernel_settings(
         }
     };
     let on_cuda = matches!(plan, crate::device::DevicePlan::Cuda { .. });
-    if on_cuda && config.train.channels_last && (!cudnn_convolutions || !cudnn_batch_norm) {
+    // kiln's own kernels need no cuDNN.
+    let channels_last_norm = on_cuda && own_kernels;
+    let norm_ok = channels_last_norm || cudnn_batch_norm;
+    if on_cuda && config.train.channels_last && (!cudnn_convolutions || !norm_ok) {
         anyhow::bail!(
-            "train.channels_last = true needs cuDNN's convolutions and batch norm on CUDA: \
-             Burn's kernels take NCHW and would run it only through permuted views, many \
-             times slower (BENCHMARKS.md, tenth session). Set train.channels_last = false, or \
-             let cuDNN run both (train.convolution and train.batch_norm \"auto\" or \
-             \"cudnn\"; {install})"
+            "train.channels_last = true needs cuDNN's convolutions, and batch norm on kiln's \
+             or cuDNN's kernels, on CUDA: Burn's kernels take NCHW and would run it only \
+             through permuted views, many times slower (BENCHMARKS.md, tenth session). Set \
+             train.channels_last = false, or train.convolution \"auto\" or \"cudnn\" and \
+             train.batch_norm \"auto\" or \"cudnn\" ({install})"
         );
     }
     Ok(crate::train::backend::KernelSettings {
@@ -90,6 +98,7 @@ fn kernel_settings(
         autotune: config.train.autotune,
         cudnn_convolutions,
         cudnn_batch_norm,
+        channels_last_norm,
         // Applied by the CUDA backend only; the CPU uploads nothing.
         pinned_uploads: config.data.pin_memory,
     })

@@ -20,7 +20,7 @@ use super::{
 };
 use crate::ops::kiln_stream::{After, Client, Lane};
 use crate::ops::norm::{grad_reference, train_reference};
-use crate::ops::{Layout, LibraryCall, NormBackend};
+use crate::ops::{Layout, LibraryCall, NormBackend, channels_last_norm};
 
 static BATCH_NORM: AtomicBool = AtomicBool::new(false);
 
@@ -505,6 +505,12 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> NormBackend
         epsilon: f64,
         layout: Layout,
     ) -> [FloatTensor<Self>; 3] {
+        if layout == Layout::Nhwc
+            && channels_last_norm::enabled()
+            && let Some(out) = channels_last_norm::train(&x, &gamma, &beta, epsilon)
+        {
+            return out;
+        }
         match norm_through_cudnn(|| norm_train(&x, &gamma, &beta, epsilon, layout)) {
             Some(out) => out,
             None => train_reference::<Self>(x, gamma, beta, epsilon, layout),
@@ -520,6 +526,12 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> NormBackend
         epsilon: f64,
         layout: Layout,
     ) -> [FloatTensor<Self>; 3] {
+        if layout == Layout::Nhwc
+            && channels_last_norm::enabled()
+            && let Some(out) = channels_last_norm::grad(&x, &gamma, &mean, &inv_std, &dy)
+        {
+            return out;
+        }
         let cudnn = || norm_grad(&x, &gamma, &mean, &inv_std, &dy, epsilon, layout);
         match norm_through_cudnn(cudnn) {
             Some(out) => out,
@@ -546,13 +558,29 @@ mod tests {
         Distribution::Normal(mean, std)
     }
 
+    /// Which kernels a [`norm`] runs on.
+    #[derive(Debug, Clone, Copy, PartialEq)]
+    enum Kernels {
+        Burn,
+        Cudnn,
+        ChannelsLast,
+    }
+
     /// Batch norm's output, statistics and gradients through autodiff and fusion, on
-    /// an input in `layout` and `dtype` (the parameters and statistics are f32).
-    fn norm(cudnn: bool, layout: Layout, dtype: FloatDType, channels: usize) -> Vec<Vec<f32>> {
-        set_batch_norm(cudnn);
+    /// an input of mean `center` in `layout` and `dtype` (the parameters and
+    /// statistics are f32).
+    fn norm(
+        kernels: Kernels,
+        layout: Layout,
+        dtype: FloatDType,
+        channels: usize,
+        center: f64,
+    ) -> Vec<Vec<f32>> {
+        set_batch_norm(kernels == Kernels::Cudnn);
+        channels_last_norm::set_enabled(kernels == Kernels::ChannelsLast);
         let dev = CudaDevice::new(0);
         <B as burn::tensor::backend::Backend>::seed(&dev, 11);
-        let x = T::<B, 4>::random([6, channels, 7, 9], normal(1.0, 2.0), &dev);
+        let x = T::<B, 4>::random([6, channels, 7, 9], normal(center, 2.0), &dev);
         let x = match layout {
             Layout::Nchw => x.cast(dtype),
             Layout::Nhwc => x.cast(dtype).permute([0, 2, 3, 1]),
@@ -588,11 +616,14 @@ mod tests {
         ]
     }
 
-    #[test]
-    #[ignore = "needs a CUDA GPU and cuDNN"]
-    fn cudnn_batch_norm_matches_burns_operations_on_the_gpu() {
-        probe(0).expect("cuDNN should load on this machine");
-        probe_batch_norm().expect("cuDNN should have batch norm");
+    /// `kernels` against Burn's operations, per case `(layout, dtype, tolerance)`, on
+    /// inputs of each of `channels` and of mean `center`.
+    fn compare(
+        kernels: Kernels,
+        cases: &[(Layout, FloatDType, f32)],
+        channels: &[usize],
+        center: f64,
+    ) {
         let names = [
             "output",
             "mean",
@@ -601,6 +632,45 @@ mod tests {
             "gamma grad",
             "beta grad",
         ];
+        for &(layout, dtype, tol) in cases {
+            for &c in channels {
+                let ours = norm(kernels, layout, dtype, c, center);
+                let burn = norm(Kernels::Burn, layout, dtype, c, center);
+                for (name, (a, b)) in names.iter().zip(ours.iter().zip(&burn)) {
+                    let rel = rel_diff(a, b);
+                    assert!(
+                        rel < tol,
+                        "{kernels:?} {layout:?} {dtype:?} {c} channels, mean {center}: {name} \
+                         differs by {rel} relative"
+                    );
+                }
+            }
+        }
+        set_batch_norm(false);
+        channels_last_norm::set_enabled(false);
+    }
+
+    /// Both sides compute in f32 and round the output and input gradient to bf16.
+    const CHANNELS_LAST: [(Layout, FloatDType, f32); 3] = [
+        (Layout::Nhwc, FloatDType::F32, 1e-3),
+        (Layout::Nhwc, FloatDType::BF16, 2e-2),
+        (Layout::Nhwc, FloatDType::F16, 5e-3),
+    ];
+
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn channels_last_kernels_match_burns_operations_on_the_gpu() {
+        // No vector, vectors of 8 in two cubes of columns, the last cut short, and
+        // an input whose mean is far from zero against its spread.
+        compare(Kernels::ChannelsLast, &CHANNELS_LAST, &[5, 16, 520], 1.0);
+        compare(Kernels::ChannelsLast, &CHANNELS_LAST[..1], &[16], 300.0);
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA GPU and cuDNN"]
+    fn cudnn_batch_norm_matches_burns_operations_on_the_gpu() {
+        probe(0).expect("cuDNN should load on this machine");
+        probe_batch_norm().expect("cuDNN should have batch norm");
         let cases = [
             (Layout::Nchw, FloatDType::F32, 1e-3),
             (Layout::Nhwc, FloatDType::F32, 1e-3),
@@ -609,17 +679,6 @@ mod tests {
             (Layout::Nhwc, FloatDType::F16, 5e-3),
         ];
         // An odd channel count and one cuDNN's NHWC kernels can vectorise.
-        for ((layout, dtype, tol), channels) in cases.into_iter().flat_map(|c| [(c, 5), (c, 16)]) {
-            let ours = norm(true, layout, dtype, channels);
-            let burn = norm(false, layout, dtype, channels);
-            for (name, (a, b)) in names.iter().zip(ours.iter().zip(&burn)) {
-                let rel = rel_diff(a, b);
-                assert!(
-                    rel < tol,
-                    "{layout:?} {dtype:?} {channels} channels: {name} differs by {rel} relative"
-                );
-            }
-        }
-        set_batch_norm(false);
+        compare(Kernels::Cudnn, &cases, &[5, 16], 1.0);
     }
 }
