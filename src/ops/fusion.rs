@@ -141,11 +141,10 @@ impl<B: FusionBackend + ConvBackend> ConvBackend for Fusion<B> {
     }
 }
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug)]
 enum NormPart {
     Train,
     Grad,
-    Running { momentum: f64 },
 }
 
 #[derive(Debug)]
@@ -170,14 +169,6 @@ impl<B: FusionBackend + NormBackend> Operation<B::FusionRuntime> for NormOp<B> {
             NormPart::Grad => {
                 B::batch_norm_grad(get(0), get(1), get(2), get(3), get(4), epsilon, layout)
             }
-            NormPart::Running { momentum } => {
-                let [mean, var] =
-                    B::batch_norm_running(get(0), get(1), get(2), get(3), momentum, epsilon);
-                for (out, result) in self.desc.outputs.iter().zip([mean, var]) {
-                    handles.register_float_tensor::<B>(&out.id, result);
-                }
-                return;
-            }
         };
         for (out, result) in self.desc.outputs.iter().zip(results) {
             handles.register_float_tensor::<B>(&out.id, result);
@@ -185,14 +176,14 @@ impl<B: FusionBackend + NormBackend> Operation<B::FusionRuntime> for NormOp<B> {
     }
 }
 
-fn register_norm<B: FusionBackend + NormBackend, const N: usize>(
+fn register_norm<B: FusionBackend + NormBackend>(
     part: NormPart,
     name: &'static str,
     inputs: Vec<FusionTensor<B::FusionRuntime>>,
     outputs: Vec<(Shape, DType)>,
     epsilon: f64,
     layout: Layout,
-) -> [FusionTensor<B::FusionRuntime>; N] {
+) -> [FusionTensor<B::FusionRuntime>; 3] {
     register::<B, _>(name, inputs, outputs, |desc| NormOp::<B> {
         desc,
         part,
@@ -216,7 +207,7 @@ impl<B: FusionBackend + NormBackend> NormBackend for Fusion<B> {
         let outputs = vec![y, stat.clone(), stat];
         let inputs = vec![x, gamma, beta];
         let part = NormPart::Train;
-        register_norm::<B, 3>(part, "kiln_batch_norm", inputs, outputs, epsilon, layout)
+        register_norm::<B>(part, "kiln_batch_norm", inputs, outputs, epsilon, layout)
     }
 
     fn batch_norm_grad(
@@ -233,33 +224,9 @@ impl<B: FusionBackend + NormBackend> NormBackend for Fusion<B> {
         let outputs = vec![dx, param.clone(), param];
         let inputs = vec![x, gamma, mean, inv_std, dy];
         let part = NormPart::Grad;
-        register_norm::<B, 3>(
+        register_norm::<B>(
             part,
             "kiln_batch_norm_grad",
-            inputs,
-            outputs,
-            epsilon,
-            layout,
-        )
-    }
-
-    fn batch_norm_running(
-        running_mean: FloatTensor<Self>,
-        running_var: FloatTensor<Self>,
-        mean: FloatTensor<Self>,
-        inv_std: FloatTensor<Self>,
-        momentum: f64,
-        epsilon: f64,
-    ) -> [FloatTensor<Self>; 2] {
-        let stat = (running_mean.shape.clone(), running_mean.dtype);
-        let outputs = vec![stat.clone(), stat];
-        let inputs = vec![running_mean, running_var, mean, inv_std];
-        let part = NormPart::Running { momentum };
-        // The layout is not used: the statistics are per channel.
-        let layout = Layout::Nchw;
-        register_norm::<B, 2>(
-            part,
-            "kiln_batch_norm_running",
             inputs,
             outputs,
             epsilon,

@@ -4,6 +4,8 @@
 //! `train.batch_norm`), and the upload of a batch, which on CUDA can read page-locked
 //! memory (`data.pin_memory`).
 
+#[cfg(feature = "cuda")]
+pub mod channels_last_norm;
 mod conv;
 #[cfg(feature = "cuda")]
 pub mod cudnn;
@@ -12,8 +14,6 @@ mod fusion;
 #[cfg(feature = "cuda")]
 mod kiln_stream;
 mod norm;
-#[cfg(feature = "cuda")]
-pub mod norm_kernels;
 #[cfg(feature = "cuda")]
 pub mod pinned;
 #[cfg(feature = "cuda")]

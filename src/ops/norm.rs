@@ -55,20 +55,6 @@ pub trait NormBackend: Backend {
         let _ = epsilon;
         grad_reference::<Self>(x, gamma, mean, inv_std, dy, layout)
     }
-
-    /// The running statistics after one training pass, as Burn's `BatchNorm` keeps
-    /// them: `running * (1 - momentum) + batch * momentum`, of the batch mean and of
-    /// the biased variance `1 / inv_std² - epsilon`. All `[C]`, f32.
-    fn batch_norm_running(
-        running_mean: FloatTensor<Self>,
-        running_var: FloatTensor<Self>,
-        mean: FloatTensor<Self>,
-        inv_std: FloatTensor<Self>,
-        momentum: f64,
-        epsilon: f64,
-    ) -> [FloatTensor<Self>; 2] {
-        running_reference::<Self>(running_mean, running_var, mean, inv_std, momentum, epsilon)
-    }
 }
 
 impl NormBackend for Flex {}
@@ -169,26 +155,6 @@ pub(crate) fn grad_reference<B: Backend>(
     ]
 }
 
-/// [`NormBackend::batch_norm_running`] in Burn's tensor operations.
-pub(crate) fn running_reference<B: Backend>(
-    running_mean: FloatTensor<B>,
-    running_var: FloatTensor<B>,
-    mean: FloatTensor<B>,
-    inv_std: FloatTensor<B>,
-    momentum: f64,
-    epsilon: f64,
-) -> [FloatTensor<B>; 2] {
-    let var = tensor::<B, 1>(inv_std).recip().square().sub_scalar(epsilon);
-    let blend = |running: FloatTensor<B>, batch: Tensor<B, 1>| {
-        primitive(
-            tensor::<B, 1>(running)
-                .mul_scalar(1.0 - momentum)
-                .add(batch.mul_scalar(momentum)),
-        )
-    };
-    [blend(running_mean, tensor(mean)), blend(running_var, var)]
-}
-
 /// `bn.forward(x)` on `x` in `layout`, with the training pass through
 /// [`NormBackend`]: the same arithmetic and running-statistics update as Burn's module
 /// (biased variance, `momentum`), so checkpoints and evaluation do not change.
@@ -214,22 +180,23 @@ pub fn batch_norm<B: NormBackend>(
         bn.epsilon,
         layout,
     );
-    // One operation for both statistics instead of a dozen: on a GPU the host's
-    // queueing of operations, not the GPU, bounds a ResNet's step.
-    let running = |state: &burn::module::RunningState<Tensor<B, 1>>| {
-        primitive(state.value_sync().to_device(&device))
+    let mean = tensor::<B, 1>(mean).detach();
+    let var = tensor::<B, 1>(inv_std)
+        .detach()
+        .recip()
+        .square()
+        .sub_scalar(bn.epsilon);
+    let blend = |running: Tensor<B, 1>, batch: Tensor<B, 1>| {
+        running
+            .to_device(&device)
+            .mul_scalar(1.0 - bn.momentum)
+            .add(batch.mul_scalar(bn.momentum))
+            .detach()
     };
-    let [running_mean, running_var] = B::batch_norm_running(
-        running(&bn.running_mean),
-        running(&bn.running_var),
-        mean,
-        inv_std,
-        bn.momentum,
-        bn.epsilon,
-    );
     bn.running_mean
-        .update(tensor::<B, 1>(running_mean).detach());
-    bn.running_var.update(tensor::<B, 1>(running_var).detach());
+        .update(blend(bn.running_mean.value_sync(), mean));
+    bn.running_var
+        .update(blend(bn.running_var.value_sync(), var));
     tensor(y)
 }
 
@@ -347,26 +314,6 @@ impl<B: NormBackend, C: CheckpointStrategy> NormBackend for Autodiff<B, C> {
                 ]
             }
         }
-    }
-
-    /// Statistics are not differentiated: the inner backend's, untracked.
-    fn batch_norm_running(
-        running_mean: FloatTensor<Self>,
-        running_var: FloatTensor<Self>,
-        mean: FloatTensor<Self>,
-        inv_std: FloatTensor<Self>,
-        momentum: f64,
-        epsilon: f64,
-    ) -> [FloatTensor<Self>; 2] {
-        B::batch_norm_running(
-            Self::inner(running_mean),
-            Self::inner(running_var),
-            Self::inner(mean),
-            Self::inner(inv_std),
-            momentum,
-            epsilon,
-        )
-        .map(Self::from_inner)
     }
 }
 

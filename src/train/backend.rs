@@ -32,7 +32,7 @@ pub struct KernelSettings {
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub cudnn_batch_norm: bool,
     /// Whether channels-last BatchNorm runs on kiln's own kernels
-    /// (`ops::norm_kernels`), ahead of cuDNN.
+    /// (`ops::channels_last_norm`), ahead of cuDNN.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub channels_last_norm: bool,
     /// Whether batches are uploaded from page-locked memory (`data.pin_memory`).
@@ -147,7 +147,7 @@ mod cuda {
             CubeClRuntimeConfig::set(cfg);
             crate::ops::cudnn::set_convolutions(kernels.cudnn_convolutions);
             crate::ops::cudnn::set_batch_norm(kernels.cudnn_batch_norm);
-            crate::ops::norm_kernels::set_enabled(kernels.channels_last_norm);
+            crate::ops::channels_last_norm::set_enabled(kernels.channels_last_norm);
             crate::ops::pinned::set_pinned(kernels.pinned_uploads);
         });
     }

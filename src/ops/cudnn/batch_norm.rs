@@ -19,8 +19,8 @@ use super::{
     write_scaling,
 };
 use crate::ops::kiln_stream::{After, Client, Lane};
-use crate::ops::norm::{grad_reference, running_reference, train_reference};
-use crate::ops::{Layout, LibraryCall, NormBackend, norm_kernels};
+use crate::ops::norm::{grad_reference, train_reference};
+use crate::ops::{Layout, LibraryCall, NormBackend, channels_last_norm};
 
 static BATCH_NORM: AtomicBool = AtomicBool::new(false);
 
@@ -506,8 +506,8 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> NormBackend
         layout: Layout,
     ) -> [FloatTensor<Self>; 3] {
         if layout == Layout::Nhwc
-            && norm_kernels::enabled()
-            && let Some(out) = norm_kernels::train(&x, &gamma, &beta, epsilon)
+            && channels_last_norm::enabled()
+            && let Some(out) = channels_last_norm::train(&x, &gamma, &beta, epsilon)
         {
             return out;
         }
@@ -527,8 +527,8 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> NormBackend
         layout: Layout,
     ) -> [FloatTensor<Self>; 3] {
         if layout == Layout::Nhwc
-            && norm_kernels::enabled()
-            && let Some(out) = norm_kernels::grad(&x, &gamma, &mean, &inv_std, &dy)
+            && channels_last_norm::enabled()
+            && let Some(out) = channels_last_norm::grad(&x, &gamma, &mean, &inv_std, &dy)
         {
             return out;
         }
@@ -536,28 +536,6 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> NormBackend
         match norm_through_cudnn(cudnn) {
             Some(out) => out,
             None => grad_reference::<Self>(x, gamma, mean, inv_std, dy, layout),
-        }
-    }
-
-    fn batch_norm_running(
-        running_mean: FloatTensor<Self>,
-        running_var: FloatTensor<Self>,
-        mean: FloatTensor<Self>,
-        inv_std: FloatTensor<Self>,
-        momentum: f64,
-        epsilon: f64,
-    ) -> [FloatTensor<Self>; 2] {
-        let [rm, rv, m, s] = [&running_mean, &running_var, &mean, &inv_std];
-        match norm_kernels::running(rm, rv, m, s, momentum, epsilon) {
-            Some(out) => out,
-            None => running_reference::<Self>(
-                running_mean,
-                running_var,
-                mean,
-                inv_std,
-                momentum,
-                epsilon,
-            ),
         }
     }
 }
@@ -599,7 +577,7 @@ mod tests {
         center: f64,
     ) -> Vec<Vec<f32>> {
         set_batch_norm(kernels == Kernels::Cudnn);
-        norm_kernels::set_enabled(kernels == Kernels::ChannelsLast);
+        channels_last_norm::set_enabled(kernels == Kernels::ChannelsLast);
         let dev = CudaDevice::new(0);
         <B as burn::tensor::backend::Backend>::seed(&dev, 11);
         let x = T::<B, 4>::random([6, channels, 7, 9], normal(center, 2.0), &dev);
@@ -669,7 +647,7 @@ mod tests {
             }
         }
         set_batch_norm(false);
-        norm_kernels::set_enabled(false);
+        channels_last_norm::set_enabled(false);
     }
 
     /// Both sides compute in f32 and round the output and input gradient to bf16.
@@ -686,42 +664,6 @@ mod tests {
         // an input whose mean is far from zero against its spread.
         compare(Kernels::ChannelsLast, &CHANNELS_LAST, &[5, 16, 520], 1.0);
         compare(Kernels::ChannelsLast, &CHANNELS_LAST[..1], &[16], 300.0);
-    }
-
-    #[test]
-    #[ignore = "needs a CUDA GPU"]
-    fn running_statistics_kernel_matches_burns_operations_on_the_gpu() {
-        let dev = CudaDevice::new(0);
-        let stat = |d| {
-            T::<Cuda, 1>::random([37], d, &dev)
-                .into_primitive()
-                .tensor()
-        };
-        let uniform = |lo, hi| Distribution::Uniform(lo, hi);
-        // The same four tensors each time.
-        let inputs = || {
-            <Cuda as burn::tensor::backend::Backend>::seed(&dev, 5);
-            [
-                stat(normal(0.0, 1.0)),
-                stat(uniform(0.5, 2.0)),
-                stat(normal(0.0, 1.0)),
-                stat(uniform(0.2, 3.0)),
-            ]
-        };
-        let [rm, rv, m, s] = inputs();
-        let ours = <Cuda as NormBackend>::batch_norm_running(rm, rv, m, s, 0.1, 1e-5);
-        let [rm, rv, m, s] = inputs();
-        let burn = running_reference::<Cuda>(rm, rv, m, s, 0.1, 1e-5);
-        let v = |t| {
-            T::<Cuda, 1>::from_primitive(burn::tensor::TensorPrimitive::Float(t))
-                .into_data()
-                .to_vec::<f32>()
-                .unwrap()
-        };
-        for (name, (a, b)) in ["mean", "variance"].iter().zip(ours.into_iter().zip(burn)) {
-            let rel = rel_diff(&v(a), &v(b));
-            assert!(rel < 1e-5, "running {name} differs by {rel} relative");
-        }
     }
 
     #[test]

@@ -1,12 +1,6 @@
-//! kiln's own cubecl kernels for BatchNorm on CUDA: the training pass over
-//! channels-last activations (`train.batch_norm = "auto"` with
-//! `train.channels_last`), and the running statistics' update (every layout), on
-//! cubecl's stream like every other kernel of the step.
-//!
-//! The running statistics are one kernel per layer instead of a dozen element-wise
-//! operations: a ResNet's step on an H200 is bound by the host queueing operations
-//! (its main thread was 95% busy in ResNet-50 bf16 channels-last, thirteenth
-//! session), and those were about half of a forward pass's operations.
+//! BatchNorm's training pass over channels-last activations in kiln's own cubecl
+//! kernels (`train.batch_norm = "auto"` with `train.channels_last`), on cubecl's
+//! stream like every other kernel of the step.
 //!
 //! cuDNN's channels-last batch norm runs persistent kernels that need the whole GPU at
 //! once; they cannot be ordered against cubecl's stream on the GPU (`stream_order`),
@@ -325,76 +319,6 @@ fn grad_input<F: Float, N: Size>(
     let centered = Vector::<f32, N>::cast_from(x[i]) - mean[c];
     let g = Vector::<f32, N>::cast_from(dy[i]);
     dx[i] = Vector::cast_from(g * k_dy[c] + centered * k_x[c] + k_1[c]);
-}
-
-/// `running * (1 - momentum) + batch * momentum` for the mean and for the biased
-/// variance `1 / inv_std² - epsilon`, per channel.
-#[cube(launch)]
-fn running_update(
-    running_mean: &Tensor<f32>,
-    running_var: &Tensor<f32>,
-    mean: &Tensor<f32>,
-    inv_std: &Tensor<f32>,
-    new_mean: &mut Tensor<f32>,
-    new_var: &mut Tensor<f32>,
-    channels: usize,
-    momentum: f32,
-    epsilon: f32,
-) {
-    let c = ABSOLUTE_POS;
-    if c >= channels {
-        terminate!();
-    }
-    let keep = f32::new(1.0) - momentum;
-    let deviation = f32::new(1.0) / inv_std[c];
-    let var = deviation * deviation - epsilon;
-    new_mean[c] = running_mean[c] * keep + mean[c] * momentum;
-    new_var[c] = running_var[c] * keep + var * momentum;
-}
-
-/// [`NormBackend::batch_norm_running`](crate::ops::NormBackend) for f32 `[C]`
-/// statistics; `None` where they are not.
-pub(crate) fn running<R: CubeRuntime>(
-    running_mean: &CubeTensor<R>,
-    running_var: &CubeTensor<R>,
-    mean: &CubeTensor<R>,
-    inv_std: &CubeTensor<R>,
-    momentum: f64,
-    epsilon: f64,
-) -> Option<[CubeTensor<R>; 2]> {
-    let channels = mean.meta.shape().num_elements();
-    let stats = [running_mean, running_var, mean, inv_std];
-    if !per_channel_f32(&stats, channels) {
-        return None;
-    }
-    let [running_mean, running_var, mean, inv_std] = stats.map(|t| into_contiguous(t.clone()));
-    let client = mean.client.clone();
-    let out = || {
-        CubeTensor::new_contiguous(
-            client.clone(),
-            mean.device.clone(),
-            Shape::new([channels]),
-            client.empty(channels * DType::F32.size()),
-            DType::F32,
-        )
-    };
-    let (new_mean, new_var) = (out(), out());
-    let dim = CubeDim::new(&client, channels);
-    running_update::launch::<R>(
-        &client,
-        calculate_cube_count_elemwise(&client, channels, dim),
-        dim,
-        running_mean.into_tensor_arg(),
-        running_var.into_tensor_arg(),
-        mean.into_tensor_arg(),
-        inv_std.into_tensor_arg(),
-        new_mean.clone().into_tensor_arg(),
-        new_var.clone().into_tensor_arg(),
-        channels,
-        momentum as f32,
-        epsilon as f32,
-    );
-    Some([new_mean, new_var])
 }
 
 /// A channels-last input, contiguous, seen as `[rows, channels]`, and how the kernels
