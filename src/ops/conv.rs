@@ -50,24 +50,6 @@ pub trait ConvBackend: Backend {
         let grad = Some(output_grad);
         burn_conv2d::<Self>(Part::GradWeight, x, weight, grad, options, layout)
     }
-
-    /// Both gradients at once, `[input, weight]`: one operation where a backend queues
-    /// operations at a cost (Burn's fusion stream: each custom operation costs the host
-    /// more than the kernels it launches, BENCHMARKS.md, thirteenth session).
-    fn conv2d_grads(
-        x: FloatTensor<Self>,
-        weight: FloatTensor<Self>,
-        output_grad: FloatTensor<Self>,
-        options: ConvOptions<2>,
-        layout: Layout,
-    ) -> [FloatTensor<Self>; 2] {
-        let (xc, wc, gc) = (x.clone(), weight.clone(), output_grad.clone());
-        let dx = Self::conv2d_grad_x(xc, wc, gc, options.clone(), layout);
-        [
-            dx,
-            Self::conv2d_grad_weight(x, weight, output_grad, options, layout),
-        ]
-    }
 }
 
 impl ConvBackend for Flex {}
@@ -135,21 +117,14 @@ impl<B: ConvBackend, C: CheckpointStrategy> ConvBackend for Autodiff<B, C> {
                 let (x_state, weight_state, options, layout) = ops.state;
                 let x = checkpointer.retrieve_node_output::<FloatTensor<B>>(x_state);
                 let weight = checkpointer.retrieve_node_output::<FloatTensor<B>>(weight_state);
-                match (node_x, node_weight) {
-                    (Some(nx), Some(nw)) => {
-                        let [dx, dw] = B::conv2d_grads(x, weight, grad, options, layout);
-                        grads.register::<B>(nx.id, dx);
-                        grads.register::<B>(nw.id, dw);
-                    }
-                    (Some(node), None) => {
-                        let dx = B::conv2d_grad_x(x, weight, grad, options, layout);
-                        grads.register::<B>(node.id, dx);
-                    }
-                    (None, Some(node)) => {
-                        let dw = B::conv2d_grad_weight(x, weight, grad, options, layout);
-                        grads.register::<B>(node.id, dw);
-                    }
-                    (None, None) => {}
+                if let Some(node) = node_x {
+                    let (x, w, g) = (x.clone(), weight.clone(), grad.clone());
+                    let dx = B::conv2d_grad_x(x, w, g, options.clone(), layout);
+                    grads.register::<B>(node.id, dx);
+                }
+                if let Some(node) = node_weight {
+                    let dw = B::conv2d_grad_weight(x, weight, grad, options, layout);
+                    grads.register::<B>(node.id, dw);
                 }
             }
         }

@@ -13,21 +13,12 @@ use burn_ir::{
     CustomOpIr, HandleContainer, InitOperationIr, OperationIr, OperationOutput, TensorIr,
 };
 
-use super::sgd::{SgdBackend, SgdStep, Stepped};
 use super::{ConvBackend, Layout, NormBackend, Part, UploadBackend, conv2d_output_dims};
-
-/// Which of a convolution's operations a [`ConvOp`] runs.
-#[derive(Debug, Clone, Copy)]
-enum ConvWork {
-    One(Part),
-    /// Both gradients, input's and weight's.
-    Grads,
-}
 
 #[derive(Debug)]
 struct ConvOp<B> {
     desc: CustomOpIr,
-    work: ConvWork,
+    part: Part,
     options: ConvOptions<2>,
     layout: Layout,
     _backend: PhantomData<B>,
@@ -39,27 +30,14 @@ impl<B: FusionBackend + ConvBackend> Operation<B::FusionRuntime> for ConvOp<B> {
         handles: &mut HandleContainer<<B::FusionRuntime as FusionRuntime>::FusionHandle>,
     ) {
         let (options, layout) = (self.options.clone(), self.layout);
-        let (inputs, outs) = (&self.desc.inputs, &self.desc.outputs);
+        let (inputs, out) = (&self.desc.inputs, &self.desc.outputs[0]);
         let mut get = |i: usize| handles.get_float_tensor::<B>(&inputs[i]);
-        let results = match self.work {
-            ConvWork::One(Part::Forward) => vec![B::conv2d_nobias(get(0), get(1), options, layout)],
-            ConvWork::One(Part::GradX) => {
-                vec![B::conv2d_grad_x(get(0), get(1), get(2), options, layout)]
-            }
-            ConvWork::One(Part::GradWeight) => {
-                vec![B::conv2d_grad_weight(
-                    get(0),
-                    get(1),
-                    get(2),
-                    options,
-                    layout,
-                )]
-            }
-            ConvWork::Grads => B::conv2d_grads(get(0), get(1), get(2), options, layout).to_vec(),
+        let result = match self.part {
+            Part::Forward => B::conv2d_nobias(get(0), get(1), options, layout),
+            Part::GradX => B::conv2d_grad_x(get(0), get(1), get(2), options, layout),
+            Part::GradWeight => B::conv2d_grad_weight(get(0), get(1), get(2), options, layout),
         };
-        for (out, result) in outs.iter().zip(results) {
-            handles.register_float_tensor::<B>(&out.id, result);
-        }
+        handles.register_float_tensor::<B>(&out.id, result);
     }
 }
 
@@ -93,7 +71,7 @@ fn register_conv<B: FusionBackend + ConvBackend>(
     let dtype = inputs[0].dtype;
     register::<B, _>(name, inputs, vec![(out_shape, dtype)], |desc| ConvOp::<B> {
         desc,
-        work: ConvWork::One(part),
+        part,
         options,
         layout,
         _backend: PhantomData,
@@ -160,28 +138,6 @@ impl<B: FusionBackend + ConvBackend> ConvBackend for Fusion<B> {
             options,
             layout,
         )
-    }
-
-    fn conv2d_grads(
-        x: FloatTensor<Self>,
-        weight: FloatTensor<Self>,
-        output_grad: FloatTensor<Self>,
-        options: ConvOptions<2>,
-        layout: Layout,
-    ) -> [FloatTensor<Self>; 2] {
-        let outputs = vec![
-            (x.shape.clone(), x.dtype),
-            (weight.shape.clone(), weight.dtype),
-        ];
-        let inputs = vec![x, weight, output_grad];
-        register::<B, _>("kiln_conv2d_grads", inputs, outputs, |desc| ConvOp::<B> {
-            desc,
-            work: ConvWork::Grads,
-            options,
-            layout,
-            _backend: PhantomData,
-        })
-        .outputs()
     }
 }
 
@@ -276,87 +232,6 @@ impl<B: FusionBackend + NormBackend> NormBackend for Fusion<B> {
             epsilon,
             layout,
         )
-    }
-}
-
-#[derive(Debug)]
-struct SgdOp<B> {
-    desc: CustomOpIr,
-    /// Which parameters come with a velocity (the inputs hold the parameters, then
-    /// their gradients, then the velocities there are).
-    has_velocity: Vec<bool>,
-    step: SgdStep,
-    _backend: PhantomData<B>,
-}
-
-impl<B: FusionBackend + SgdBackend> Operation<B::FusionRuntime> for SgdOp<B> {
-    fn execute(
-        &self,
-        handles: &mut HandleContainer<<B::FusionRuntime as FusionRuntime>::FusionHandle>,
-    ) {
-        let n = self.has_velocity.len();
-        let mut inputs = self.desc.inputs.iter();
-        let mut take = |k: usize| {
-            (&mut inputs)
-                .take(k)
-                .map(|t| handles.get_float_tensor::<B>(t))
-                .collect::<Vec<_>>()
-        };
-        let (params, grads) = (take(n), take(n));
-        let mut present = take(n).into_iter();
-        let velocities = self
-            .has_velocity
-            .iter()
-            .map(|has| if *has { present.next() } else { None })
-            .collect();
-        let (params, velocities) = B::sgd_step(params, grads, velocities, self.step);
-        let outputs = params.into_iter().chain(velocities.into_iter().flatten());
-        for (out, result) in self.desc.outputs.iter().zip(outputs) {
-            handles.register_float_tensor::<B>(&out.id, result);
-        }
-    }
-}
-
-/// The whole step as one operation of the fusion stream: one custom operation instead
-/// of about nine per parameter.
-impl<B: FusionBackend + SgdBackend> SgdBackend for Fusion<B> {
-    fn sgd_step(
-        params: Vec<FloatTensor<Self>>,
-        grads: Vec<FloatTensor<Self>>,
-        velocities: Vec<Option<FloatTensor<Self>>>,
-        step: SgdStep,
-    ) -> Stepped<Self> {
-        let n = params.len();
-        if n == 0 {
-            return (Vec::new(), Vec::new());
-        }
-        let has_velocity: Vec<bool> = velocities.iter().map(Option::is_some).collect();
-        let shapes: Vec<(Shape, DType)> =
-            params.iter().map(|p| (p.shape.clone(), p.dtype)).collect();
-        let with_momentum = step.momentum > 0.0;
-        let mut outputs = shapes.clone();
-        if with_momentum {
-            outputs.extend(shapes);
-        }
-        let inputs = params
-            .into_iter()
-            .chain(grads)
-            .chain(velocities.into_iter().flatten())
-            .collect();
-        let mut out = register::<B, _>("kiln_sgd_step", inputs, outputs, |desc| SgdOp::<B> {
-            desc,
-            has_velocity,
-            step,
-            _backend: PhantomData,
-        })
-        .into_iter();
-        let new_params: Vec<_> = (&mut out).take(n).collect();
-        let new_velocities = if with_momentum {
-            out.map(Some).collect()
-        } else {
-            vec![None; n]
-        };
-        (new_params, new_velocities)
     }
 }
 

@@ -6,7 +6,6 @@ mod bench;
 mod checkpoint;
 mod clip;
 mod eval;
-mod fused_sgd;
 mod grads;
 mod loss;
 mod loss_scale;

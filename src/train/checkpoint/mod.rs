@@ -6,7 +6,6 @@ mod retention;
 mod store;
 mod writer;
 
-use crate::ops::SgdBackend;
 use std::path::{Path, PathBuf};
 
 use burn::module::Module;
@@ -57,7 +56,7 @@ pub struct Snapshot {
 impl Snapshot {
     /// Weights, optimizer and state as they are now. The bytes are those
     /// `BinFileRecorder` writes, so [`read_tensors`] reads them back.
-    pub fn take<B: AutodiffBackend<InnerBackend: SgdBackend>>(
+    pub fn take<B: AutodiffBackend>(
         model: &ResNet<B>,
         optim: &Optim<ResNet<B>, B>,
         state: &TrainState,
@@ -159,7 +158,7 @@ pub fn check_compatible(
 pub type Trained<B> = (ResNet<B>, Optim<ResNet<B>, B>);
 
 /// Loads weights and optimizer state from a verified checkpoint directory.
-pub fn read_tensors<B: AutodiffBackend<InnerBackend: SgdBackend>>(
+pub fn read_tensors<B: AutodiffBackend>(
     dir: &Path,
     model: ResNet<B>,
     optim: Optim<ResNet<B>, B>,
