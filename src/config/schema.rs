@@ -201,10 +201,12 @@ pub enum Convolution {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum BatchNormKernels {
-    /// cuDNN's batch normalisation (one kernel each way per layer) when cuDNN can be
-    /// loaded, otherwise Burn's operations, with a note saying why.
+    /// Channels-last layers on kiln's own kernels (`ops::channels_last_norm`); NCHW
+    /// layers on cuDNN's batch normalisation (one kernel each way per layer) when cuDNN
+    /// can be loaded, otherwise Burn's operations, with a note saying why.
     Auto,
-    /// cuDNN, or an error before training starts when it cannot be loaded.
+    /// cuDNN in both layouts, or an error before training starts when it cannot be
+    /// loaded.
     Cudnn,
     /// Burn's element-wise and reduction operations (about a dozen per layer forward).
     Burn,
@@ -282,7 +284,7 @@ pub struct TrainConfig {
     /// Activations as `[N, H, W, C]` and convolution weights as `[K, R, S, C]` inside
     /// the network (`model::precision`); with bf16/fp16 the activations also stay in
     /// the low precision between layers. On CUDA it needs cuDNN's convolutions and batch
-    /// norm, and the run stops before training without them.
+    /// norm on kiln's or cuDNN's kernels, and the run stops before training without them.
     pub channels_last: bool,
     /// `dp` or `ddp` (see `Strategy`); only with several devices. `ddp` by default: it
     /// measured faster on two H200s (BENCHMARKS.md), since `dp` copies the weights out

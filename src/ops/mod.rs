@@ -1,7 +1,8 @@
 //! Backend extensions: operations kiln's models call through a trait of their own,
 //! so a backend can put other kernels behind them: the convolution and BatchNorm's
 //! training pass, which on CUDA can run on cuDNN (`train.convolution`,
-//! `train.batch_norm`), and the upload of a batch, which on CUDA can read page-locked
+//! `train.batch_norm`) or, for channels-last BatchNorm, on kiln's own kernels
+//! (`channels_last_norm`), and the upload of a batch, which on CUDA can read page-locked
 //! memory (`data.pin_memory`).
 
 #[cfg(feature = "cuda")]

@@ -495,6 +495,8 @@ fn norm_through_cudnn(run: impl FnOnce() -> Result<[Tensor; 3], String>) -> Opti
     warn_once(run(), &WARNED, "a batch norm", "operations")
 }
 
+/// Channels-last layers on kiln's own kernels where they are on (`channels_last_norm`),
+/// then cuDNN where it is on, then Burn's operations.
 impl<F: FloatElement, I: IntElement, BT: BoolElement> NormBackend
     for CubeBackend<CudaRuntime, F, I, BT>
 {
