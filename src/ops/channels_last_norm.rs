@@ -371,9 +371,9 @@ impl<R: CubeRuntime> Plan<R> {
         )
     }
 
-    /// `n` f32 tensors of `[rows]`.
-    fn f32s<const K: usize>(&self, rows: usize) -> [CubeTensor<R>; K] {
-        std::array::from_fn(|_| self.empty(Shape::new([rows]), DType::F32))
+    /// `K` f32 tensors of `[len]`.
+    fn f32s<const K: usize>(&self, len: usize) -> [CubeTensor<R>; K] {
+        std::array::from_fn(|_| self.empty(Shape::new([len]), DType::F32))
     }
 
     /// Two `[parts, channels]` f32 tensors for the partial sums.
