@@ -24,6 +24,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use burn::tensor::{DType, Shape};
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::calculate_cube_count_elemwise;
 use cubecl::prelude::*;
@@ -136,7 +137,7 @@ fn columns_of(columns: usize) -> (usize, usize) {
     (column, read)
 }
 
-/// This thread's rows: from, below, and the step between them.
+/// This thread's first row and the end of its cube's slice; it steps by `CUBE_DIM_Y`.
 #[cube]
 fn rows_of(rows: usize, rows_per_part: usize) -> (usize, usize) {
     let start = CUBE_POS_Y as usize * rows_per_part;
@@ -145,6 +146,24 @@ fn rows_of(rows: usize, rows_per_part: usize) -> (usize, usize) {
         end = rows;
     }
     (start + UNIT_POS_Y as usize, end)
+}
+
+/// Channel `c`'s two sums over every part (`[parts, channels]` each).
+#[cube]
+fn add_parts(
+    a: &Tensor<f32>,
+    b: &Tensor<f32>,
+    c: usize,
+    channels: usize,
+    parts: usize,
+) -> (f32, f32) {
+    let mut sum_a = f32::new(0.0);
+    let mut sum_b = f32::new(0.0);
+    for p in 0..parts {
+        sum_a += a[p * channels + c];
+        sum_b += b[p * channels + c];
+    }
+    (sum_a, sum_b)
 }
 
 /// Forward step 1: per part, the sums of `x - x[0]` and of its square.
@@ -196,12 +215,7 @@ fn stat_finish<F: Float>(
     if c >= channels {
         terminate!();
     }
-    let mut sum = f32::new(0.0);
-    let mut square = f32::new(0.0);
-    for p in 0..parts {
-        sum += sums[p * channels + c];
-        square += squares[p * channels + c];
-    }
+    let (sum, square) = add_parts(sums, squares, c, channels, parts);
     let shifted_mean = sum / count;
     let variance = max(square / count - shifted_mean * shifted_mean, f32::new(0.0));
     let m = f32::cast_from(x[c]) + shifted_mean;
@@ -282,12 +296,7 @@ fn grad_finish(
     if c >= channels {
         terminate!();
     }
-    let mut sum = f32::new(0.0);
-    let mut product = f32::new(0.0);
-    for p in 0..parts {
-        sum += sums[p * channels + c];
-        product += products[p * channels + c];
-    }
+    let (sum, product) = add_parts(sums, products, c, channels, parts);
     let s = inv_std[c];
     let k = gamma[c] * s;
     d_beta[c] = sum;
@@ -333,15 +342,17 @@ struct Plan<R: CubeRuntime> {
 }
 
 impl<R: CubeRuntime> Plan<R> {
-    /// `None` where these kernels do not apply: not 4-D, or not f32, bf16 or fp16.
-    fn new(x: &CubeTensor<R>) -> Option<Plan<R>> {
+    /// `None` where these kernels do not apply: `x` not 4-D, or not f32, bf16 or fp16,
+    /// or one of `per_channel` not f32 of shape `[C]`. Checked before `x` is made
+    /// contiguous, which may copy it.
+    fn new(x: &CubeTensor<R>, per_channel: &[&CubeTensor<R>]) -> Option<Plan<R>> {
         let dims = x.meta.shape();
         if dims.num_dims() != 4 || !matches!(x.dtype, DType::F32 | DType::BF16 | DType::F16) {
             return None;
         }
         let channels = dims[3];
         let rows = dims.num_elements() / channels.max(1);
-        if rows == 0 || channels == 0 {
+        if rows == 0 || channels == 0 || !per_channel_f32(per_channel, channels) {
             return None;
         }
         let vector = widest_vector(x.client.io_optimized_vector_sizes(x.dtype.size()), channels);
@@ -360,15 +371,10 @@ impl<R: CubeRuntime> Plan<R> {
         self.channels / self.vector
     }
 
+    /// A contiguous tensor beside the input (the kernels index every tensor linearly).
     fn empty(&self, shape: Shape, dtype: DType) -> CubeTensor<R> {
-        let handle = self.x.client.empty(shape.num_elements() * dtype.size());
-        CubeTensor::new_contiguous(
-            self.x.client.clone(),
-            self.x.device.clone(),
-            shape,
-            handle,
-            dtype,
-        )
+        let (client, device) = (self.x.client.clone(), self.x.device.clone());
+        empty_device_contiguous_dtype(client, device, shape, dtype)
     }
 
     /// `K` f32 tensors of `[len]`.
@@ -423,10 +429,7 @@ pub(crate) fn train<R: CubeRuntime>(
     beta: &CubeTensor<R>,
     epsilon: f64,
 ) -> Option<[CubeTensor<R>; 3]> {
-    let plan = Plan::new(x)?;
-    if !per_channel_f32(&[gamma, beta], plan.channels) {
-        return None;
-    }
+    let plan = Plan::new(x, &[gamma, beta])?;
     let (gamma, beta) = (
         into_contiguous(gamma.clone()),
         into_contiguous(beta.clone()),
@@ -498,13 +501,10 @@ pub(crate) fn grad<R: CubeRuntime>(
     inv_std: &CubeTensor<R>,
     dy: &CubeTensor<R>,
 ) -> Option<[CubeTensor<R>; 3]> {
-    let plan = Plan::new(x)?;
-    if !per_channel_f32(&[gamma, mean, inv_std], plan.channels)
-        || dy.dtype != x.dtype
-        || dy.meta.shape() != x.meta.shape()
-    {
+    if dy.dtype != x.dtype || dy.meta.shape() != x.meta.shape() {
         return None;
     }
+    let plan = Plan::new(x, &[gamma, mean, inv_std])?;
     let [gamma, mean, inv_std, dy] = [gamma, mean, inv_std, dy].map(|t| into_contiguous(t.clone()));
     let client = plan.x.client.clone();
     let dtype: StorageType = plan.x.dtype.into();
