@@ -13,6 +13,7 @@ use burn_ir::{
     CustomOpIr, HandleContainer, InitOperationIr, OperationIr, OperationOutput, TensorIr,
 };
 
+use super::sgd::{SgdBackend, SgdStep, Stepped};
 use super::{ConvBackend, Layout, NormBackend, Part, UploadBackend, conv2d_output_dims};
 
 #[derive(Debug)]
@@ -232,6 +233,87 @@ impl<B: FusionBackend + NormBackend> NormBackend for Fusion<B> {
             epsilon,
             layout,
         )
+    }
+}
+
+#[derive(Debug)]
+struct SgdOp<B> {
+    desc: CustomOpIr,
+    /// Which parameters come with a velocity (the inputs hold the parameters, then
+    /// their gradients, then the velocities there are).
+    has_velocity: Vec<bool>,
+    step: SgdStep,
+    _backend: PhantomData<B>,
+}
+
+impl<B: FusionBackend + SgdBackend> Operation<B::FusionRuntime> for SgdOp<B> {
+    fn execute(
+        &self,
+        handles: &mut HandleContainer<<B::FusionRuntime as FusionRuntime>::FusionHandle>,
+    ) {
+        let n = self.has_velocity.len();
+        let mut inputs = self.desc.inputs.iter();
+        let mut take = |k: usize| {
+            (&mut inputs)
+                .take(k)
+                .map(|t| handles.get_float_tensor::<B>(t))
+                .collect::<Vec<_>>()
+        };
+        let (params, grads) = (take(n), take(n));
+        let mut present = take(n).into_iter();
+        let velocities = self
+            .has_velocity
+            .iter()
+            .map(|has| if *has { present.next() } else { None })
+            .collect();
+        let (params, velocities) = B::sgd_step(params, grads, velocities, self.step);
+        let outputs = params.into_iter().chain(velocities.into_iter().flatten());
+        for (out, result) in self.desc.outputs.iter().zip(outputs) {
+            handles.register_float_tensor::<B>(&out.id, result);
+        }
+    }
+}
+
+/// The whole step as one operation of the fusion stream: one custom operation instead
+/// of about nine per parameter.
+impl<B: FusionBackend + SgdBackend> SgdBackend for Fusion<B> {
+    fn sgd_step(
+        params: Vec<FloatTensor<Self>>,
+        grads: Vec<FloatTensor<Self>>,
+        velocities: Vec<Option<FloatTensor<Self>>>,
+        step: SgdStep,
+    ) -> Stepped<Self> {
+        let n = params.len();
+        if n == 0 {
+            return (Vec::new(), Vec::new());
+        }
+        let has_velocity: Vec<bool> = velocities.iter().map(Option::is_some).collect();
+        let shapes: Vec<(Shape, DType)> =
+            params.iter().map(|p| (p.shape.clone(), p.dtype)).collect();
+        let with_momentum = step.momentum > 0.0;
+        let mut outputs = shapes.clone();
+        if with_momentum {
+            outputs.extend(shapes);
+        }
+        let inputs = params
+            .into_iter()
+            .chain(grads)
+            .chain(velocities.into_iter().flatten())
+            .collect();
+        let mut out = register::<B, _>("kiln_sgd_step", inputs, outputs, |desc| SgdOp::<B> {
+            desc,
+            has_velocity,
+            step,
+            _backend: PhantomData,
+        })
+        .into_iter();
+        let new_params: Vec<_> = (&mut out).take(n).collect();
+        let new_velocities = if with_momentum {
+            out.map(Some).collect()
+        } else {
+            vec![None; n]
+        };
+        (new_params, new_velocities)
     }
 }
 

@@ -17,19 +17,21 @@ mod kiln_stream;
 mod norm;
 #[cfg(feature = "cuda")]
 pub mod pinned;
+mod sgd;
 #[cfg(feature = "cuda")]
 mod stream_order;
 mod upload;
 
 pub use conv::{ConvBackend, conv2d};
 pub use norm::{NormBackend, batch_norm};
+pub use sgd::{SgdBackend, SgdStep};
 pub use upload::{UploadBackend, upload_f32};
 
 /// What kiln's models and steps call on a backend: its convolution, its BatchNorm and
 /// its upload of a batch.
-pub trait ModelBackend: ConvBackend + NormBackend + UploadBackend {}
+pub trait ModelBackend: ConvBackend + NormBackend + UploadBackend + SgdBackend {}
 
-impl<B: ConvBackend + NormBackend + UploadBackend> ModelBackend for B {}
+impl<B: ConvBackend + NormBackend + UploadBackend + SgdBackend> ModelBackend for B {}
 
 /// The order of a 4-D activation tensor's axes, and of a convolution weight's.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]

@@ -6,6 +6,7 @@ mod bench;
 mod checkpoint;
 mod clip;
 mod eval;
+mod fused_sgd;
 mod grads;
 mod loss;
 mod loss_scale;

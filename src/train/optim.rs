@@ -5,39 +5,27 @@ use std::path::Path;
 
 use burn::module::AutodiffModule;
 use burn::optim::adaptor::OptimizerAdaptor;
-use burn::optim::decay::WeightDecayConfig;
-use burn::optim::momentum::MomentumConfig;
-use burn::optim::{AdamW, AdamWConfig, GradientsParams, Optimizer, Sgd, SgdConfig};
+use burn::optim::{AdamW, AdamWConfig, GradientsParams, Optimizer};
 use burn::record::{
     BinBytesRecorder, BinFileRecorder, FullPrecisionSettings, Recorder, RecorderError,
 };
 use burn::tensor::backend::AutodiffBackend;
 
+use super::fused_sgd::FusedSgd;
 use crate::config::{OptimConfig, OptimizerKind};
+use crate::ops::SgdBackend;
 
 #[derive(Clone)]
 pub enum Optim<M: AutodiffModule<B>, B: AutodiffBackend> {
-    Sgd(OptimizerAdaptor<Sgd<B::InnerBackend>, M, B>),
+    Sgd(FusedSgd<M, B>),
     AdamW(OptimizerAdaptor<AdamW, M, B>),
 }
 
-impl<M: AutodiffModule<B>, B: AutodiffBackend> Optim<M, B> {
+impl<M: AutodiffModule<B>, B: AutodiffBackend<InnerBackend: SgdBackend>> Optim<M, B> {
     pub fn new(cfg: &OptimConfig) -> Self {
         match cfg.name {
             OptimizerKind::Sgd => {
-                let mut c = SgdConfig::new();
-                if cfg.momentum > 0.0 {
-                    // PyTorch's SGD has no dampening by default; Burn's defaults to 0.1.
-                    c = c.with_momentum(Some(MomentumConfig {
-                        momentum: cfg.momentum,
-                        dampening: 0.0,
-                        nesterov: cfg.nesterov,
-                    }));
-                }
-                if cfg.weight_decay > 0.0 {
-                    c = c.with_weight_decay(Some(WeightDecayConfig::new(cfg.weight_decay as f32)));
-                }
-                Optim::Sgd(c.init())
+                Optim::Sgd(FusedSgd::new(cfg.momentum, cfg.nesterov, cfg.weight_decay))
             }
             OptimizerKind::Adamw => Optim::AdamW(
                 AdamWConfig::new()

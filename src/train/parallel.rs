@@ -23,6 +23,7 @@
 //! error naming the device; the other replicas finish their shards, so nothing hangs
 //! waiting for it.
 
+use crate::ops::SgdBackend;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Mutex};
@@ -170,8 +171,10 @@ pub struct Replicas<B: AutodiffBackend, M: AutodiffModule<B>> {
     pending: Arc<Mutex<Vec<bool>>>,
 }
 
-impl<B: AutodiffBackend + UploadBackend, M: Classifier<B> + AutodiffModule<B> + 'static>
-    Replicas<B, M>
+impl<
+    B: AutodiffBackend<InnerBackend: SgdBackend> + UploadBackend,
+    M: Classifier<B> + AutodiffModule<B> + 'static,
+> Replicas<B, M>
 {
     pub fn start(
         devices: &[B::Device],
@@ -513,7 +516,10 @@ struct WorkerEnds<B: AutodiffBackend, M: AutodiffModule<B>> {
 
 /// One device's thread. Replies to every `Work` and `ReadBuffers`, in order; a failure
 /// in a message nobody waits for is reported with the next reply.
-fn worker_loop<B: AutodiffBackend + UploadBackend, M: Classifier<B> + AutodiffModule<B>>(
+fn worker_loop<
+    B: AutodiffBackend<InnerBackend: SgdBackend> + UploadBackend,
+    M: Classifier<B> + AutodiffModule<B>,
+>(
     ends: WorkerEnds<B, M>,
 ) {
     let WorkerEnds {
@@ -640,7 +646,10 @@ fn worker_loop<B: AutodiffBackend + UploadBackend, M: Classifier<B> + AutodiffMo
     }
 }
 
-fn run_job<B: AutodiffBackend + UploadBackend, M: Classifier<B> + AutodiffModule<B>>(
+fn run_job<
+    B: AutodiffBackend<InnerBackend: SgdBackend> + UploadBackend,
+    M: Classifier<B> + AutodiffModule<B>,
+>(
     job: &mut Job<M>,
     model: M,
     device: &B::Device,

@@ -1,6 +1,7 @@
 //! One optimizer step on one global batch, and one evaluation pass. Metrics stay on
 //! the device as running sums; the trainer reads them back only when it reports.
 
+use crate::ops::SgdBackend;
 use burn::module::AutodiffModule;
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::backend::{AutodiffBackend, Backend};
@@ -115,7 +116,7 @@ pub fn micro_batches(batch: Batch, cfg: &TrainConfig) -> Vec<Batch> {
 
 /// Clipping (if configured) and one optimizer step at `lr` with the summed gradients;
 /// see [`apply_clipped`].
-pub fn apply<B: AutodiffBackend, M: AutodiffModule<B>>(
+pub fn apply<B: AutodiffBackend<InnerBackend: SgdBackend>, M: AutodiffModule<B>>(
     model: M,
     optim: &mut Optim<M, B>,
     grads: GradientsParams,
@@ -129,7 +130,7 @@ pub fn apply<B: AutodiffBackend, M: AutodiffModule<B>>(
 /// One optimizer step, the gradients' global norm clipped to `clip` first (0: off).
 /// With a loss `scale` (fp16) the gradients are divided by it first, and a step whose
 /// gradients overflowed is skipped: the flag says whether the step was taken.
-pub fn apply_clipped<B: AutodiffBackend, M: AutodiffModule<B>>(
+pub fn apply_clipped<B: AutodiffBackend<InnerBackend: SgdBackend>, M: AutodiffModule<B>>(
     model: M,
     optim: &mut Optim<M, B>,
     mut grads: GradientsParams,
@@ -150,7 +151,10 @@ pub fn apply_clipped<B: AutodiffBackend, M: AutodiffModule<B>>(
 
 /// Trains on one global batch on one device: its micro-batches' gradients summed,
 /// then one optimizer step (skipped, and `false`, when fp16 gradients overflowed).
-pub fn train_step<B: AutodiffBackend + UploadBackend, M: Classifier<B> + AutodiffModule<B>>(
+pub fn train_step<
+    B: AutodiffBackend<InnerBackend: SgdBackend> + UploadBackend,
+    M: Classifier<B> + AutodiffModule<B>,
+>(
     model: M,
     optim: &mut Optim<M, B>,
     batch: Batch,

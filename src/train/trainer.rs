@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use burn::module::AutodiffModule;
-use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::backend::Backend;
 
 use super::backend::BackendJob;
 use super::checkpoint::{self, CheckpointError, Snapshot, Store, Writer};
@@ -101,7 +101,7 @@ struct Run<'a> {
 impl Run<'_> {
     /// Copies the checkpoint to host memory and hands it to the writer thread;
     /// `checkpoint_s` counts only the time training waits for that.
-    fn save<B: AutodiffBackend>(
+    fn save<B: TrainBackend>(
         &mut self,
         state: &mut TrainState,
         model: &ResNet<B>,

@@ -6,6 +6,7 @@ mod retention;
 mod store;
 mod writer;
 
+use crate::ops::SgdBackend;
 use std::path::{Path, PathBuf};
 
 use burn::module::Module;
@@ -56,7 +57,7 @@ pub struct Snapshot {
 impl Snapshot {
     /// Weights, optimizer and state as they are now. The bytes are those
     /// `BinFileRecorder` writes, so [`read_tensors`] reads them back.
-    pub fn take<B: AutodiffBackend>(
+    pub fn take<B: AutodiffBackend<InnerBackend: SgdBackend>>(
         model: &ResNet<B>,
         optim: &Optim<ResNet<B>, B>,
         state: &TrainState,
@@ -158,7 +159,7 @@ pub fn check_compatible(
 pub type Trained<B> = (ResNet<B>, Optim<ResNet<B>, B>);
 
 /// Loads weights and optimizer state from a verified checkpoint directory.
-pub fn read_tensors<B: AutodiffBackend>(
+pub fn read_tensors<B: AutodiffBackend<InnerBackend: SgdBackend>>(
     dir: &Path,
     model: ResNet<B>,
     optim: Optim<ResNet<B>, B>,
