@@ -73,3 +73,17 @@ pub fn max_diff(a: &[f32], b: &[f32]) -> f32 {
 pub fn rel_diff(a: &[f32], b: &[f32]) -> f32 {
     max_diff(a, b) / b.iter().fold(1e-6f32, |m, v| m.max(v.abs()))
 }
+
+/// One epoch of three batches of 8 synthetic 8x8 images of 3 classes, as loaded for
+/// training: small enough to train a ResNet on the CPU in a test.
+pub fn tiny_batches() -> Vec<crate::data::Batch> {
+    use crate::config::{Config, DatasetKind};
+    let mut cfg = Config::default();
+    cfg.data.dataset = DatasetKind::Synthetic;
+    cfg.data.image_size = 8;
+    cfg.data.synthetic_classes = 3;
+    cfg.data.synthetic_train_size = 24;
+    let data = crate::data::open(&cfg.data, 0).expect("synthetic data opens");
+    let (train, _) = data.loaders(&cfg.data, 8, 0);
+    train.epoch(0, 0).map(Result::unwrap).collect()
+}

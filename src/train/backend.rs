@@ -170,10 +170,10 @@ mod cuda {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{Arch, Config, DatasetKind, Stem};
+    use crate::config::{Arch, Config, Stem};
     use crate::data::Batch;
     use crate::model::{ModelSpec, ResNet};
-    use crate::test_util::{floats, max_diff, rng_lock};
+    use crate::test_util::{floats, max_diff, rng_lock, tiny_batches};
     use crate::train::optim::Optim;
     use crate::train::step::train_step;
 
@@ -202,14 +202,7 @@ mod tests {
     #[test]
     fn recomputing_activations_gives_the_same_training() {
         let _rng = rng_lock();
-        let mut cfg = Config::default();
-        cfg.data.dataset = DatasetKind::Synthetic;
-        cfg.data.image_size = 8;
-        cfg.data.synthetic_classes = 3;
-        cfg.data.synthetic_train_size = 24;
-        let data = crate::data::open(&cfg.data, 0).unwrap();
-        let (train, _) = data.loaders(&cfg.data, 8, 0);
-        let batches: Vec<Batch> = train.epoch(0, 0).map(Result::unwrap).collect();
+        let batches = tiny_batches();
         let kept = trained::<Autodiff<Flex>>(&batches);
         let recomputed = trained::<Autodiff<Flex, BalancedCheckpointing>>(&batches);
         assert_eq!(kept.len(), recomputed.len());

@@ -237,10 +237,10 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{Arch, Config, DatasetKind, Stem};
+    use crate::config::{Arch, Stem};
     use crate::data::Batch;
     use crate::model::{ModelSpec, ResNet};
-    use crate::test_util::{TestBackend, device, floats, rng_lock};
+    use crate::test_util::{TestBackend, device, floats, rng_lock, tiny_batches};
     use crate::train::step::forward_backward;
     use burn::optim::SgdConfig;
     use burn::optim::decay::WeightDecayConfig;
@@ -250,17 +250,6 @@ mod tests {
     type B = TestBackend;
     type Model = ResNet<B>;
     type BurnSgd = OptimizerAdaptor<Sgd<Inner<B>>, Model, B>;
-
-    fn batches() -> Vec<Batch> {
-        let mut cfg = Config::default();
-        cfg.data.dataset = DatasetKind::Synthetic;
-        cfg.data.image_size = 8;
-        cfg.data.synthetic_classes = 3;
-        cfg.data.synthetic_train_size = 24;
-        let data = crate::data::open(&cfg.data, 0).unwrap();
-        let (train, _) = data.loaders(&cfg.data, 8, 0);
-        train.epoch(0, 0).map(Result::unwrap).collect()
-    }
 
     fn model() -> Model {
         <B as Backend>::seed(&device(), 3);
@@ -291,7 +280,7 @@ mod tests {
     #[test]
     fn the_same_steps_as_burns_sgd() {
         let _rng = rng_lock();
-        let batches = batches();
+        let batches = tiny_batches();
         for (momentum, nesterov, weight_decay) in [
             (0.9, false, 5e-4),
             (0.9, true, 5e-4),
@@ -319,7 +308,7 @@ mod tests {
     #[test]
     fn records_load_into_burns_sgd_and_back() {
         let _rng = rng_lock();
-        let batches = batches();
+        let batches = tiny_batches();
         let rec = BinBytesRecorder::<FullPrecisionSettings>::new();
         let save = |r| Recorder::<B>::record(&rec, r, ()).unwrap();
         let (mut ours, mut burn) = (model(), model());
