@@ -192,6 +192,9 @@ mod tests {
         use burn::module::AutodiffModule;
         let _rng = rng_lock();
         let dev = device();
+        // Seeded: the draw otherwise depends on which tests took the generator before,
+        // and one in CI gave ResNet-20's stem gradient a relative difference of 0.025.
+        <TestBackend as burn::tensor::backend::Backend>::seed(&dev, 7);
         // A freshly initialised ResNet-50 is badly conditioned: an input changed by one
         // part in a million moves its stem's weight gradient by about 3% and its logits
         // in bf16 by most of their size (measured on the CPU), so its stem gradient gets
