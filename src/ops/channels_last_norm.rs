@@ -412,8 +412,9 @@ impl<R: CubeRuntime> Plan<R> {
     }
 }
 
-/// The widest of the `offered` vector widths that divides `channels`.
-fn widest_vector(offered: impl Iterator<Item = usize>, channels: usize) -> usize {
+/// The widest of the `offered` vector widths that divides `channels` (for the SGD
+/// kernels, a parameter's element count).
+pub(crate) fn widest_vector(offered: impl Iterator<Item = usize>, channels: usize) -> usize {
     offered
         .filter(|v| *v > 0 && channels.is_multiple_of(*v))
         .max()

@@ -99,12 +99,14 @@ mod cuda {
     use burn::tensor::ops::FloatTensor;
     use burn::tensor::{DType, Shape};
     use burn_cubecl::kernel::into_contiguous;
+    use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
     use burn_cubecl::tensor::CubeTensor;
     use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
     use cubecl::calculate_cube_count_elemwise;
     use cubecl::prelude::*;
 
     use super::{SgdBackend, SgdStep, Stepped, step_reference};
+    use crate::ops::channels_last_norm::widest_vector;
 
     /// One parameter's step, per vector of elements: weight decay, momentum, update.
     #[cube(launch)]
@@ -151,14 +153,7 @@ mod cuda {
 
     /// An f32 tensor of `shape` on `t`'s device.
     fn empty_like<R: CubeRuntime>(t: &CubeTensor<R>, shape: Shape) -> CubeTensor<R> {
-        let handle = t.client.empty(shape.num_elements() * DType::F32.size());
-        CubeTensor::new_contiguous(
-            t.client.clone(),
-            t.device.clone(),
-            shape,
-            handle,
-            DType::F32,
-        )
+        empty_device_contiguous_dtype(t.client.clone(), t.device.clone(), shape, DType::F32)
     }
 
     /// One kernel for one parameter, its gradient and its velocity (all f32, of one
@@ -179,16 +174,17 @@ mod cuda {
         let velocity = velocity.map_or_else(|| grad.clone(), |v| into_contiguous(v.clone()));
         let client = param.client.clone();
         let elements = param.meta.shape().num_elements();
-        let vector = client
-            .io_optimized_vector_sizes(DType::F32.size())
-            .filter(|v| elements.is_multiple_of(*v))
-            .max()
-            .unwrap_or(1);
+        let vector = widest_vector(
+            client.io_optimized_vector_sizes(DType::F32.size()),
+            elements,
+        );
         let len = elements / vector;
         let new_param = empty_like(&param, param.meta.shape().clone());
         let new_velocity = with_momentum.then(|| empty_like(&param, param.meta.shape().clone()));
         // Without momentum the kernel writes no velocity: one vector stands in.
-        let unwritten = empty_like(&param, Shape::new([vector]));
+        let velocity_out = new_velocity
+            .clone()
+            .unwrap_or_else(|| empty_like(&param, Shape::new([vector])));
         let dim = CubeDim::new(&client, len);
         sgd_kernel::launch::<R>(
             &client,
@@ -199,7 +195,7 @@ mod cuda {
             grad.into_tensor_arg(),
             velocity.into_tensor_arg(),
             new_param.clone().into_tensor_arg(),
-            new_velocity.clone().unwrap_or(unwritten).into_tensor_arg(),
+            velocity_out.into_tensor_arg(),
             len,
             step.lr as f32,
             step.momentum as f32,
