@@ -10,8 +10,9 @@
 //!
 //! 1. per-channel partial sums, each cube over a slice of the rows (N·H·W) and a span
 //!    of channels, read along the channels so that loads coalesce;
-//! 2. one thread per channel adds the partial sums up and turns them into the
-//!    statistics and the per-channel coefficients of step 3;
+//! 2. one cube per span of channels adds the partial sums up (its rows of threads
+//!    share out the parts) and turns them into the statistics and the per-channel
+//!    coefficients of step 3;
 //! 3. one element-wise pass writes the output (forward) or the input's gradient.
 //!
 //! Forward sums are of `x - x[0, c]`: one shift per channel that every cube reads, so
@@ -87,20 +88,21 @@ impl Grid {
     fn dim(&self) -> CubeDim {
         CubeDim::new_2d(self.x, self.y)
     }
+
+    /// The finishing kernels: the same cubes along the columns, one along the rows.
+    fn finish_count(&self) -> CubeCount {
+        CubeCount::Static(self.column_cubes, 1, 1)
+    }
 }
 
-/// Adds `a` and `b` up over the cube's rows of threads and stores the sums of thread
-/// row 0 as this cube's part of column `column`.
+/// `a` and `b` added up over the cube's rows of threads: every thread gets the sums
+/// of its column of threads.
 #[cube]
-fn store_part<N: Size>(
+fn sum_rows<N: Size>(
     a: Vector<f32, N>,
     b: Vector<f32, N>,
-    out_a: &mut Tensor<Vector<f32, N>>,
-    out_b: &mut Tensor<Vector<f32, N>>,
-    column: usize,
-    columns: usize,
     #[comptime] threads: usize,
-) {
+) -> (Vector<f32, N>, Vector<f32, N>) {
     let mut shared_a = SharedMemory::<Vector<f32, N>>::new(threads);
     let mut shared_b = SharedMemory::<Vector<f32, N>>::new(threads);
     let width = CUBE_DIM_X as usize;
@@ -118,10 +120,27 @@ fn store_part<N: Size>(
         sync_cube();
         half /= 2;
     }
+    let top = UNIT_POS_X as usize;
+    (shared_a[top], shared_b[top])
+}
+
+/// Adds `a` and `b` up over the cube's rows of threads and stores the sums as this
+/// cube's part of column `column`.
+#[cube]
+fn store_part<N: Size>(
+    a: Vector<f32, N>,
+    b: Vector<f32, N>,
+    out_a: &mut Tensor<Vector<f32, N>>,
+    out_b: &mut Tensor<Vector<f32, N>>,
+    column: usize,
+    columns: usize,
+    #[comptime] threads: usize,
+) {
+    let (sum_a, sum_b) = sum_rows::<N>(a, b, threads);
     if UNIT_POS_Y == 0 && column < columns {
         let at = CUBE_POS_Y as usize * columns + column;
-        out_a[at] = shared_a[me];
-        out_b[at] = shared_b[me];
+        out_a[at] = sum_a;
+        out_b[at] = sum_b;
     }
 }
 
@@ -148,22 +167,27 @@ fn rows_of(rows: usize, rows_per_part: usize) -> (usize, usize) {
     (start + UNIT_POS_Y as usize, end)
 }
 
-/// Channel `c`'s two sums over every part (`[parts, channels]` each).
+/// The two sums of column `read` over every part (`[parts, columns]` each), the
+/// parts shared out over the cube's rows of threads: one thread per channel adding
+/// hundreds of parts in turn took 27 µs per layer (BENCHMARKS.md, thirteenth session).
 #[cube]
-fn add_parts(
-    a: &Tensor<f32>,
-    b: &Tensor<f32>,
-    c: usize,
-    channels: usize,
+fn add_parts<N: Size>(
+    a: &Tensor<Vector<f32, N>>,
+    b: &Tensor<Vector<f32, N>>,
+    read: usize,
+    columns: usize,
     parts: usize,
-) -> (f32, f32) {
-    let mut sum_a = f32::new(0.0);
-    let mut sum_b = f32::new(0.0);
-    for p in 0..parts {
-        sum_a += a[p * channels + c];
-        sum_b += b[p * channels + c];
+    #[comptime] threads: usize,
+) -> (Vector<f32, N>, Vector<f32, N>) {
+    let mut sum_a = Vector::<f32, N>::new(f32::new(0.0));
+    let mut sum_b = Vector::<f32, N>::new(f32::new(0.0));
+    let mut p = UNIT_POS_Y as usize;
+    while p < parts {
+        sum_a += a[p * columns + read];
+        sum_b += b[p * columns + read];
+        p += CUBE_DIM_Y as usize;
     }
-    (sum_a, sum_b)
+    sum_rows::<N>(sum_a, sum_b, threads)
 }
 
 /// Forward step 1: per part, the sums of `x - x[0]` and of its square.
@@ -193,38 +217,44 @@ fn stat_parts<F: Float, N: Size>(
 }
 
 /// Forward step 2, per channel: the mean, `1 / sqrt(variance + epsilon)`, and the
-/// output's `scale` and `bias` (`y = x * scale + bias`).
+/// output's `scale` and `bias` (`y = x * scale + bias`). One cube per span of
+/// columns, as in step 1; its rows of threads share out the parts.
 #[cube(launch)]
-fn stat_finish<F: Float>(
-    x: &Tensor<F>,
-    sums: &Tensor<f32>,
-    squares: &Tensor<f32>,
-    gamma: &Tensor<f32>,
-    beta: &Tensor<f32>,
-    mean: &mut Tensor<f32>,
-    inv_std: &mut Tensor<f32>,
-    scale: &mut Tensor<f32>,
-    bias: &mut Tensor<f32>,
-    channels: usize,
+fn stat_finish<F: Float, N: Size>(
+    x: &Tensor<Vector<F, N>>,
+    sums: &Tensor<Vector<f32, N>>,
+    squares: &Tensor<Vector<f32, N>>,
+    gamma: &Tensor<Vector<f32, N>>,
+    beta: &Tensor<Vector<f32, N>>,
+    mean: &mut Tensor<Vector<f32, N>>,
+    inv_std: &mut Tensor<Vector<f32, N>>,
+    scale: &mut Tensor<Vector<f32, N>>,
+    bias: &mut Tensor<Vector<f32, N>>,
+    columns: usize,
     parts: usize,
     count: f32,
     epsilon: f32,
+    #[comptime] threads: usize,
     #[define(F)] _dtype: StorageType,
 ) {
-    let c = ABSOLUTE_POS;
-    if c >= channels {
-        terminate!();
+    let (c, read) = columns_of(columns);
+    let (sum, square) = add_parts::<N>(sums, squares, read, columns, parts, threads);
+    if UNIT_POS_Y == 0 && c < columns {
+        let n = Vector::<f32, N>::new(count);
+        let shifted_mean = sum / n;
+        let variance = max(
+            square / n - shifted_mean * shifted_mean,
+            Vector::<f32, N>::new(f32::new(0.0)),
+        );
+        let m = Vector::<f32, N>::cast_from(x[c]) + shifted_mean;
+        let s = Vector::<f32, N>::new(f32::new(1.0))
+            / Vector::<f32, N>::sqrt(variance + Vector::<f32, N>::new(epsilon));
+        mean[c] = m;
+        inv_std[c] = s;
+        let k = gamma[c] * s;
+        scale[c] = k;
+        bias[c] = beta[c] - m * k;
     }
-    let (sum, square) = add_parts(sums, squares, c, channels, parts);
-    let shifted_mean = sum / count;
-    let variance = max(square / count - shifted_mean * shifted_mean, f32::new(0.0));
-    let m = f32::cast_from(x[c]) + shifted_mean;
-    let s = f32::new(1.0) / f32::sqrt(variance + epsilon);
-    mean[c] = m;
-    inv_std[c] = s;
-    let k = gamma[c] * s;
-    scale[c] = k;
-    bias[c] = beta[c] - m * k;
 }
 
 /// Forward step 3: `y = x * scale + bias` per channel.
@@ -276,34 +306,37 @@ fn grad_parts<F: Float, N: Size>(
 }
 
 /// Backward step 2, per channel: the parameters' gradients and the coefficients of
-/// `dx = k_dy * dy + k_x * (x - mean) + k_1`.
+/// `dx = k_dy * dy + k_x * (x - mean) + k_1`. Cubes as in [`stat_finish`].
 #[cube(launch)]
-fn grad_finish(
-    sums: &Tensor<f32>,
-    products: &Tensor<f32>,
-    gamma: &Tensor<f32>,
-    inv_std: &Tensor<f32>,
-    d_gamma: &mut Tensor<f32>,
-    d_beta: &mut Tensor<f32>,
-    k_dy: &mut Tensor<f32>,
-    k_x: &mut Tensor<f32>,
-    k_1: &mut Tensor<f32>,
-    channels: usize,
+fn grad_finish<N: Size>(
+    sums: &Tensor<Vector<f32, N>>,
+    products: &Tensor<Vector<f32, N>>,
+    gamma: &Tensor<Vector<f32, N>>,
+    inv_std: &Tensor<Vector<f32, N>>,
+    d_gamma: &mut Tensor<Vector<f32, N>>,
+    d_beta: &mut Tensor<Vector<f32, N>>,
+    k_dy: &mut Tensor<Vector<f32, N>>,
+    k_x: &mut Tensor<Vector<f32, N>>,
+    k_1: &mut Tensor<Vector<f32, N>>,
+    columns: usize,
     parts: usize,
     count: f32,
+    #[comptime] threads: usize,
 ) {
-    let c = ABSOLUTE_POS;
-    if c >= channels {
-        terminate!();
+    let (c, read) = columns_of(columns);
+    let (sum, product) = add_parts::<N>(sums, products, read, columns, parts, threads);
+    if UNIT_POS_Y == 0 && c < columns {
+        let n = Vector::<f32, N>::new(count);
+        let s = inv_std[c];
+        let k = gamma[c] * s;
+        d_beta[c] = sum;
+        d_gamma[c] = product * s;
+        k_dy[c] = k;
+        // cubecl's CUDA code has no unary minus for vectors.
+        let zero = Vector::<f32, N>::new(f32::new(0.0));
+        k_x[c] = zero - k * s * s * product / n;
+        k_1[c] = zero - k * sum / n;
     }
-    let (sum, product) = add_parts(sums, products, c, channels, parts);
-    let s = inv_std[c];
-    let k = gamma[c] * s;
-    d_beta[c] = sum;
-    d_gamma[c] = product * s;
-    k_dy[c] = k;
-    k_x[c] = -k * s * s * product / count;
-    k_1[c] = -k * sum / count;
 }
 
 /// Backward step 3: the input's gradient.
@@ -391,15 +424,6 @@ impl<R: CubeRuntime> Plan<R> {
         ]
     }
 
-    /// One thread per channel.
-    fn per_channel(&self) -> (CubeCount, CubeDim) {
-        let dim = CubeDim::new(&self.x.client, self.channels);
-        (
-            calculate_cube_count_elemwise(&self.x.client, self.channels, dim),
-            dim,
-        )
-    }
-
     /// One thread per vector of the input.
     fn per_vector(&self) -> (CubeCount, CubeDim, usize) {
         let len = self.rows * self.columns();
@@ -454,11 +478,11 @@ pub(crate) fn train<R: CubeRuntime>(
         dtype,
     );
     let [mean, inv_std, scale, bias] = plan.f32s(plan.channels);
-    let (count, dim) = plan.per_channel();
     stat_finish::launch::<R>(
         &client,
-        count,
-        dim,
+        g.finish_count(),
+        g.dim(),
+        plan.vector,
         plan.x.clone().into_tensor_arg(),
         sums.into_tensor_arg(),
         squares.into_tensor_arg(),
@@ -468,10 +492,11 @@ pub(crate) fn train<R: CubeRuntime>(
         inv_std.clone().into_tensor_arg(),
         scale.clone().into_tensor_arg(),
         bias.clone().into_tensor_arg(),
-        plan.channels,
+        columns,
         g.parts,
         plan.rows as f32,
         epsilon as f32,
+        THREADS as usize,
         dtype,
     );
     let y = plan.empty(plan.x.meta.shape().clone(), plan.x.dtype);
@@ -528,11 +553,11 @@ pub(crate) fn grad<R: CubeRuntime>(
         dtype,
     );
     let [d_gamma, d_beta, k_dy, k_x, k_1] = plan.f32s(plan.channels);
-    let (count, dim) = plan.per_channel();
     grad_finish::launch::<R>(
         &client,
-        count,
-        dim,
+        g.finish_count(),
+        g.dim(),
+        plan.vector,
         sums.into_tensor_arg(),
         products.into_tensor_arg(),
         gamma.into_tensor_arg(),
@@ -542,9 +567,10 @@ pub(crate) fn grad<R: CubeRuntime>(
         k_dy.clone().into_tensor_arg(),
         k_x.clone().into_tensor_arg(),
         k_1.clone().into_tensor_arg(),
-        plan.channels,
+        columns,
         g.parts,
         plan.rows as f32,
+        THREADS as usize,
     );
     let dx = plan.empty(plan.x.meta.shape().clone(), plan.x.dtype);
     let (count, dim, len) = plan.per_vector();
