@@ -5,9 +5,11 @@
 //! bindings, cuDNN 9) and probed before training; a call it refuses (a shape or dtype
 //! without an algorithm) runs on Burn's kernels.
 //!
-//! cubecl keeps its CUDA streams private, so cuDNN runs on kiln's own stream
-//! (`kiln_stream`), ordered against this thread's cubecl stream on the GPU
-//! (`stream_order`): the host queues the call and goes on. Where that cannot be set up, the call waits on the host for
+//! cubecl keeps its CUDA streams private. cuDNN runs on the calling thread's cubecl
+//! stream itself where kiln has learnt which it is (`cubecl_stream`, through CUPTI),
+//! in order with cubecl's kernels; otherwise on kiln's own stream (`kiln_stream`),
+//! ordered against cubecl's on the GPU (`stream_order`). Either way the host queues
+//! the call and goes on. Where neither can be set up, the call waits on the host for
 //! cubecl's stream before and for its own after, as the first version did (two host
 //! synchronisations per convolution, each draining the GPU's queue).
 //!
@@ -93,7 +95,8 @@ pub fn probe(ordinal: usize) -> Result<String, String> {
             .map_err(|e| format!("cuDNN's operations library: {e:?}"))?;
     }
     with_lane(ordinal, |lane| {
-        with_cudnn(ordinal, lane, |dnn, _, handle| {
+        let stream = lane.stream();
+        with_cudnn(ordinal, lane, stream, |dnn, _, handle| {
             // A small convolution planned end to end, as training will.
             let key = ConvKey {
                 part: Part::Forward,
@@ -113,12 +116,13 @@ pub fn probe(ordinal: usize) -> Result<String, String> {
     ))
 }
 
-/// cuDNN's state per thread and device: its handle on kiln's stream (`kiln_stream`)
+/// cuDNN's state per thread and device: its handle on the lane's stream (`kiln_stream`)
 /// and what each shape needs. Training calls run on cubecl's device thread, so each
 /// device has one; [`probe`] makes its own on the caller's.
 struct Dnn {
-    /// Made on the first cuDNN call, so work without cuDNN needs no cuDNN.
-    handle: Option<sys::cudnnHandle_t>,
+    /// Made on the first cuDNN call, so work without cuDNN needs no cuDNN; with the
+    /// stream it was last set to queue on.
+    handle: Option<(sys::cudnnHandle_t, dsys::CUstream)>,
     /// Each convolution shape's plan ([`Conv`]), or why cuDNN cannot run it
     /// (remembered, so such a shape goes straight to Burn's kernels).
     convs: HashMap<ConvKey, Result<Rc<Conv>, String>>,
@@ -149,16 +153,28 @@ fn with_dnn<T>(ordinal: usize, f: impl FnOnce(&mut Dnn) -> Result<T, String>) ->
 }
 
 /// `work` with this thread's cuDNN state for GPU `ordinal`, `lane` (this thread's for
-/// that GPU) and the cuDNN handle on its stream.
+/// that GPU) and the cuDNN handle on `stream`.
 fn with_cudnn<T>(
+    ordinal: usize,
+    lane: &mut Lane,
+    stream: dsys::CUstream,
+    work: impl FnOnce(&mut Dnn, &mut Lane, sys::cudnnHandle_t) -> Result<T, String>,
+) -> Result<T, String> {
+    with_dnn(ordinal, |dnn| {
+        let handle = dnn.handle(stream)?;
+        work(dnn, lane, handle)
+    })
+}
+
+/// [`with_cudnn`] on the stream the lane queues `client`'s work on ([`Lane::target`]).
+fn with_cudnn_for<T>(
+    client: &Client,
     ordinal: usize,
     lane: &mut Lane,
     work: impl FnOnce(&mut Dnn, &mut Lane, sys::cudnnHandle_t) -> Result<T, String>,
 ) -> Result<T, String> {
-    with_dnn(ordinal, |dnn| {
-        let handle = dnn.handle(lane.stream())?;
-        work(dnn, lane, handle)
-    })
+    let stream = lane.target(client);
+    with_cudnn(ordinal, lane, stream, work)
 }
 
 /// Runs `work` on cubecl's device thread ([`on_device_thread`]) with that thread's cuDNN
@@ -168,7 +184,9 @@ fn on_cudnn<T: Send + 'static>(
     ordinal: usize,
     work: impl FnOnce(&mut Dnn, &mut Lane, sys::cudnnHandle_t) -> Result<T, String> + Send,
 ) -> Result<T, String> {
-    on_device_thread(client, ordinal, |lane| with_cudnn(ordinal, lane, work))
+    on_device_thread(client, ordinal, |lane| {
+        with_cudnn_for(client, ordinal, lane, work)
+    })
 }
 
 /// A shape cuDNN has run once on the calling thread's device.
@@ -198,7 +216,10 @@ fn on_cudnn_planned(
     let ordinal = device.index;
     let entry = (ordinal, shape);
     if PLANNED.with(|p| p.borrow().contains(&entry)) {
-        queue_on_device_thread(device, ordinal, move |lane| with_cudnn(ordinal, lane, work));
+        let client = client.clone();
+        queue_on_device_thread(device, ordinal, move |lane| {
+            with_cudnn_for(&client, ordinal, lane, work)
+        });
         return Ok(());
     }
     on_cudnn(client, ordinal, work)?;
@@ -208,17 +229,18 @@ fn on_cudnn_planned(
 }
 
 impl Dnn {
-    /// The cuDNN handle on `stream`, this thread's lane's (cuDNN must have passed
-    /// [`probe`]).
+    /// The cuDNN handle, set to queue on `stream` (cuDNN must have passed [`probe`]).
     fn handle(&mut self, stream: dsys::CUstream) -> Result<sys::cudnnHandle_t, String> {
-        if let Some(h) = self.handle {
-            return Ok(h);
-        }
-        let handle = dnn::create_handle().map_err(|e| format!("cudnnCreate: {e:?}"))?;
-        // SAFETY: a handle just created, and this thread's stream, in the same context.
+        let handle = match self.handle {
+            Some((h, on)) if on == stream => return Ok(h),
+            Some((h, _)) => h,
+            None => dnn::create_handle().map_err(|e| format!("cudnnCreate: {e:?}"))?,
+        };
+        // SAFETY: this thread's handle and a stream of the lane's device (kiln's, or
+        // cubecl's for the calling `StreamId`), in the same context.
         unsafe { dnn::set_stream(handle, stream as sys::cudaStream_t) }
             .map_err(|e| format!("cudnnSetStream: {e:?}"))?;
-        self.handle = Some(handle);
+        self.handle = Some((handle, stream));
         Ok(handle)
     }
 

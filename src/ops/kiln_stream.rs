@@ -1,9 +1,11 @@
-//! kiln's own CUDA stream per thread and device, and work queued on it in order with
-//! cubecl's: cuDNN's calls (`ops::cudnn`) and the page-locked upload (`ops::pinned`).
+//! kiln's GPU work queued in order with cubecl's: cuDNN's calls (`ops::cudnn`) and the
+//! page-locked upload (`ops::pinned`).
 //!
-//! cubecl keeps its streams private, so work on kiln's stream is ordered against the
-//! thread's cubecl stream on the GPU (`stream_order`), or, where that cannot be set
-//! up, by the host waiting for both. A call runs whole on cubecl's device thread
+//! The work goes on cubecl's own stream where kiln has learnt which it is
+//! (`cubecl_stream`, through CUPTI), which orders it by construction. Otherwise it goes
+//! on a stream of kiln's per thread and device, ordered against the thread's cubecl
+//! stream on the GPU (`stream_order`), or, where that cannot be set up either, by the
+//! host waiting for both. A call runs whole on cubecl's device thread
 //! (`ComputeClient::exclusive`): the device addresses of its buffers are known only
 //! there, and each question asked from the fusion thread that queues the call is a
 //! blocking round trip that waits for that thread's queue to drain.
@@ -25,15 +27,19 @@ use cubecl::device_handle::DeviceHandle;
 use cudarc::driver::{result as drv, sys as dsys};
 
 use super::stream_order::Handover;
-use super::{KilnWaits, LibraryCall};
+use super::{KilnWaits, LibraryCall, cubecl_stream};
 
 pub(crate) type Client = burn::cubecl::client::ComputeClient<CudaRuntime>;
 
-/// kiln's stream on one device for one thread. Training calls run on cubecl's device
-/// thread, so each device has one; `cudnn::probe` makes its own on the caller's.
+/// Where kiln's work goes on one device for one thread. Training calls run on cubecl's
+/// device thread, so each device has one; `cudnn::probe` makes its own on the caller's.
 pub(crate) struct Lane {
+    /// kiln's own stream, for work cubecl's stream cannot take (see [`Lane::target`]).
     stream: dsys::CUstream,
     context: dsys::CUcontext,
+    /// cubecl's stream for each `StreamId` that queued work here, learnt on its first
+    /// call (`cubecl_stream`).
+    cubecl: HashMap<u64, dsys::CUstream>,
     /// Made on the first call; `Err` where it could not be (its kernels did not compile
     /// or load), which sends this thread's calls through host synchronisations.
     handover: Option<Result<Handover, ()>>,
@@ -234,9 +240,9 @@ pub(crate) fn kiln_waits() -> KilnWaits {
     }
 }
 
-/// Queues `call` on kiln's stream for GPU `ordinal` with the device addresses of
-/// `buffers`, ordered against `client`'s cubecl stream ([`Lane::queue`]): kiln's work
-/// that is not cuDNN's, the pinned upload (`ops::pinned`).
+/// Queues `call` for GPU `ordinal` with the device addresses of `buffers`, in order
+/// with `client`'s cubecl stream ([`Lane::queue`]): kiln's work that is not cuDNN's,
+/// the pinned upload (`ops::pinned`).
 pub(crate) fn on_kiln_stream(
     client: &Client,
     ordinal: usize,
@@ -264,12 +270,46 @@ impl Lane {
         Ok(Lane {
             stream,
             context,
+            cubecl: HashMap::new(),
             handover: None,
         })
     }
 
+    /// kiln's own stream on this lane's device.
     pub(crate) fn stream(&self) -> dsys::CUstream {
         self.stream
+    }
+
+    /// The stream this lane's next call goes on for the current `StreamId` on
+    /// `client`: cubecl's own where it can be learnt (once per `StreamId`; when it
+    /// cannot, never again in this process, with one note), else kiln's.
+    pub(crate) fn target(&mut self, client: &Client) -> dsys::CUstream {
+        self.cubecl_stream(client).unwrap_or(self.stream)
+    }
+
+    fn cubecl_stream(&mut self, client: &Client) -> Option<dsys::CUstream> {
+        static UNKNOWN: AtomicBool = AtomicBool::new(false);
+        let id = cubecl::stream_id::StreamId::current().value;
+        if let Some(s) = self.cubecl.get(&id) {
+            return Some(*s);
+        }
+        if UNKNOWN.load(Ordering::Relaxed) {
+            return None;
+        }
+        match cubecl_stream::find(client) {
+            Ok(s) => {
+                self.cubecl.insert(id, s);
+                Some(s)
+            }
+            Err(e) => {
+                if !UNKNOWN.swap(true, Ordering::Relaxed) {
+                    eprintln!(
+                        "kiln: note: cubecl's CUDA stream could not be learnt ({e}); cuDNN's calls and page-locked uploads go on a stream of kiln's, handed over with extra kernels (slower)"
+                    );
+                }
+                None
+            }
+        }
     }
 
     /// This thread's hand-over flags, or `None` where they cannot be used.
@@ -280,12 +320,13 @@ impl Lane {
         h.as_mut().ok()
     }
 
-    /// Queues `call` on this lane's stream with the device addresses of `buffers` (null
-    /// for `None`), ordered on the GPU after the cubecl work queued so far on
-    /// `client`'s stream and before any queued after (`stream_order`; the host waits
-    /// instead with [`After::Host`] and where that cannot be set up). Runs on cubecl's
-    /// device thread ([`on_device_thread`]), which `Handover` relies on. The buffers
-    /// stay allocated while their resources are held.
+    /// Queues `call` with the device addresses of `buffers` (null for `None`) after
+    /// the cubecl work queued so far on `client`'s stream and before any queued after:
+    /// on that stream itself where [`Lane::target`] knows it, else on this lane's
+    /// stream, ordered on the GPU (`stream_order`; the host waits instead with
+    /// [`After::Host`] and where that cannot be set up). Runs on cubecl's device thread
+    /// ([`on_device_thread`]), which both rely on. The buffers stay allocated while
+    /// their resources are held.
     pub(crate) fn queue(
         &mut self,
         client: &Client,
@@ -304,13 +345,6 @@ impl Lane {
                     .transpose()
             })
             .collect::<Result<Vec<_>, _>>()?;
-        let ordering = Instant::now();
-        let token = self.handover(client).and_then(|h| {
-            h.wait_for_cubecl(client, stream)
-                .inspect_err(|e| warn_host_sync(e))
-                .ok()
-        });
-        ORDERING.add(ordering);
         let pointers: Vec<*mut c_void> = resources
             .iter()
             .map(|r| {
@@ -318,6 +352,19 @@ impl Lane {
                     .map_or(std::ptr::null_mut(), |r| r.resource().ptr as *mut c_void)
             })
             .collect();
+        if let Some(cubecl) = self.cubecl_stream(client) {
+            let called = Instant::now();
+            let result = call(cubecl, &pointers);
+            LIBRARY_CALLS[kind as usize].add(called);
+            return result;
+        }
+        let ordering = Instant::now();
+        let token = self.handover(client).and_then(|h| {
+            h.wait_for_cubecl(client, stream)
+                .inspect_err(|e| warn_host_sync(e))
+                .ok()
+        });
+        ORDERING.add(ordering);
         if token.is_none() {
             // The inputs are complete once this thread's cubecl stream is.
             let start = Instant::now();

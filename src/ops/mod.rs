@@ -9,6 +9,8 @@
 pub mod channels_last_norm;
 mod conv;
 #[cfg(feature = "cuda")]
+mod cubecl_stream;
+#[cfg(feature = "cuda")]
 pub mod cudnn;
 #[cfg(feature = "cuda")]
 mod fusion;
@@ -162,7 +164,8 @@ pub struct KilnWaits {
     /// ([`LibraryCall::ALL`]'s order).
     pub library_call_s: [f64; LibraryCall::ALL.len()],
     /// Of `on_device_thread_s`: the hand-over's launches that order kiln's stream
-    /// against cubecl's (`stream_order`).
+    /// against cubecl's (`stream_order`; none where kiln's work goes on cubecl's
+    /// stream, `cubecl_stream`).
     pub ordering_s: f64,
     pub host_syncs: u64,
     pub host_sync_s: f64,

@@ -7,8 +7,8 @@
 //! 224 px) spent 25 ms in the first copy and about 13 ms in the second, a third of the
 //! step (BENCHMARKS.md). Here the batch is copied once into page-locked memory (on
 //! several threads) and the copy engine reads it from there while the device thread
-//! goes on. The copy runs on kiln's stream, ordered against cubecl's as cuDNN's calls
-//! are (`kiln_stream::on_kiln_stream`).
+//! goes on. The copy is queued as cuDNN's calls are, on cubecl's stream where kiln knows
+//! it, else on kiln's, ordered against cubecl's (`kiln_stream::on_kiln_stream`).
 //!
 //! The buffers are kept in a pool and reused (pinning a new buffer locks each of its
 //! pages, slower than the copy). The driver hands a buffer back to the pool once the

@@ -1,5 +1,7 @@
 //! Orders work on a CUDA stream of kiln's own against this thread's cubecl stream,
-//! on the GPU, without the host waiting for either.
+//! on the GPU, without the host waiting for either: the fallback for when cubecl's
+//! stream itself cannot be learnt (`cubecl_stream`), which orders kiln's work by
+//! construction and needs none of this.
 //!
 //! cubecl 0.10 keeps its streams private, so no event can be recorded on one. What a
 //! cubecl stream can do is run kernels on buffers whose device addresses kiln knows.
