@@ -1,7 +1,8 @@
 # Helpers shared by the GPU session scripts (sourced, not run). Everything of a session
 # runs inside one call of the `run` tool and stops at a deadline, because a machine left
 # idle between calls for more than 30 s is handed back with all it held.
-# Expects .gpu/kiln.xz (a stripped, xz-compressed release binary) and optionally
+# Expects .gpu/kiln.xz (a stripped, xz-compressed release binary; $KILN_XZ names
+# another) and optionally
 # .gpu/caches.tar.xz (kiln's kernel and autotune caches from an earlier call); results
 # go to $OUT/res and come back as one archive, $OUT/res.tar.gz (the tool returns a
 # limited number of files per call), the caches as $OUT/caches.tar.xz.
@@ -9,7 +10,7 @@ export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 START=$(date +%s); DEADLINE=${DEADLINE:-520}
 RES=$OUT/res; mkdir -p "$RES" /tmp/kc /tmp/runs
 K=/tmp/kiln; C=/tmp/kc
-xz -dc .gpu/kiln.xz > "$K" && chmod +x "$K"
+xz -dc "${KILN_XZ:-.gpu/kiln.xz}" > "$K" && chmod +x "$K"
 [ -f .gpu/caches.tar.xz ] && tar xJf .gpu/caches.tar.xz -C "$C"
 log() { echo "$(date +%T) +$(( $(date +%s) - START ))s $*" >> "$RES/pipeline.log"; }
 left() { echo $(( DEADLINE - ($(date +%s) - START) )); }
