@@ -2,9 +2,11 @@
 //!
 //! Burn's `Sgd` is about nine tensor operations per parameter (weight decay, momentum,
 //! the update), each queued by the host: about 560 per ResNet-18 step and 1,450 per
-//! ResNet-50 step. On CUDA the whole step is one operation of the fusion stream and one
-//! kernel per parameter (`cuda`): ResNet-18 32 px bf16 channels-last about 28% faster
-//! on an H200, ResNet-50 unchanged (BENCHMARKS.md, fourteenth session).
+//! ResNet-50 step. On CUDA the whole step is one operation of the fusion stream
+//! (`cuda`): ResNet-18 32 px bf16 channels-last about 28% faster on an H200 with one
+//! kernel per parameter (BENCHMARKS.md, fourteenth session), and one kernel for up to
+//! 32 parameters instead (6-7 launches for ResNet-50's 161 parameters): ResNet-50 bf16
+//! channels-last a further 15% (sixteenth session).
 
 use burn::backend::Autodiff;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
@@ -95,6 +97,8 @@ pub(crate) fn step_reference<B: Backend>(
 
 #[cfg(feature = "cuda")]
 mod cuda {
+    use std::collections::HashMap;
+
     use burn::cubecl::cuda::CudaRuntime;
     use burn::tensor::ops::FloatTensor;
     use burn::tensor::{DType, Shape};
@@ -102,21 +106,28 @@ mod cuda {
     use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
     use burn_cubecl::tensor::CubeTensor;
     use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
-    use cubecl::calculate_cube_count_elemwise;
     use cubecl::prelude::*;
 
     use super::{SgdBackend, SgdStep, Stepped, step_reference};
     use crate::ops::channels_last_norm::widest_vector;
 
-    /// One parameter's step, per vector of elements: weight decay, momentum, update.
+    /// Parameters stepped by one launch at most: each brings five buffers (three read,
+    /// two written) to the kernel's arguments, and each its branch to the kernel's code.
+    const GROUP: usize = 32;
+
+    /// One SGD step of up to [`GROUP`] parameters of one vector width: cube row `y`
+    /// steps parameter `y` (a branch per parameter, unrolled: a sequence is indexed at
+    /// compile time), its cubes striding over its elements. Weight decay, momentum,
+    /// update, in Burn's `Sgd`'s order. `velocities` is empty on the first step with
+    /// momentum; both velocity sequences are empty without momentum.
     #[cube(launch)]
-    fn sgd_kernel<N: Size>(
-        param: &Tensor<Vector<f32, N>>,
-        grad: &Tensor<Vector<f32, N>>,
-        velocity: &Tensor<Vector<f32, N>>,
-        new_param: &mut Tensor<Vector<f32, N>>,
-        new_velocity: &mut Tensor<Vector<f32, N>>,
-        len: usize,
+    fn sgd_group_kernel<N: Size>(
+        params: &Sequence<Tensor<Vector<f32, N>>>,
+        grads: &Sequence<Tensor<Vector<f32, N>>>,
+        velocities: &Sequence<Tensor<Vector<f32, N>>>,
+        new_params: &mut Sequence<Tensor<Vector<f32, N>>>,
+        new_velocities: &mut Sequence<Tensor<Vector<f32, N>>>,
+        lens: &Sequence<usize>,
         lr: f32,
         momentum: f32,
         dampening: f32,
@@ -126,29 +137,37 @@ mod cuda {
         #[comptime] first: bool,
         #[comptime] nesterov: bool,
     ) {
-        let i = ABSOLUTE_POS;
-        if i >= len {
-            terminate!();
-        }
-        let p = param[i];
-        let mut g = grad[i];
-        if comptime!(decay) {
-            g = p * Vector::new(weight_decay) + g;
-        }
-        if comptime!(with_momentum) {
-            let mut v = g;
-            if comptime!(!first) {
-                v = g * Vector::new(f32::new(1.0) - dampening)
-                    + velocity[i] * Vector::new(momentum);
+        let count = comptime![params.len()];
+        let stride = CUBE_COUNT_X as usize * CUBE_DIM_X as usize;
+        #[unroll]
+        for t in 0..count {
+            if CUBE_POS_Y as usize == t {
+                let len = lens[t];
+                let mut i = ABSOLUTE_POS_X as usize;
+                while i < len {
+                    let p = params.index(t)[i];
+                    let mut g = grads.index(t)[i];
+                    if comptime!(decay) {
+                        g = p * Vector::new(weight_decay) + g;
+                    }
+                    if comptime!(with_momentum) {
+                        let mut v = g;
+                        if comptime!(!first) {
+                            v = g * Vector::new(f32::new(1.0) - dampening)
+                                + velocities.index(t)[i] * Vector::new(momentum);
+                        }
+                        new_velocities.index_mut(t)[i] = v;
+                        if comptime!(nesterov) {
+                            g = v * Vector::new(momentum) + g;
+                        } else {
+                            g = v;
+                        }
+                    }
+                    new_params.index_mut(t)[i] = p - g * Vector::new(lr);
+                    i += stride;
+                }
             }
-            new_velocity[i] = v;
-            if comptime!(nesterov) {
-                g = v * Vector::new(momentum) + g;
-            } else {
-                g = v;
-            }
         }
-        new_param[i] = p - g * Vector::new(lr);
     }
 
     /// An f32 tensor of `shape` on `t`'s device.
@@ -156,57 +175,98 @@ mod cuda {
         empty_device_contiguous_dtype(t.client.clone(), t.device.clone(), shape, DType::F32)
     }
 
-    /// One kernel for one parameter, its gradient and its velocity (all f32, of one
-    /// shape).
-    fn step_one<R: CubeRuntime>(
-        param: &CubeTensor<R>,
-        grad: &CubeTensor<R>,
-        velocity: Option<&CubeTensor<R>>,
+    /// Steps every parameter, up to [`GROUP`] in one launch among those of one vector
+    /// width and with or without a velocity: a handful of launches per model instead
+    /// of one per parameter (161 for ResNet-50).
+    fn step_grouped<R: CubeRuntime>(
+        params: Vec<CubeTensor<R>>,
+        grads: Vec<CubeTensor<R>>,
+        velocities: Vec<Option<CubeTensor<R>>>,
         step: SgdStep,
-    ) -> (CubeTensor<R>, Option<CubeTensor<R>>) {
-        let (param, grad) = (
-            into_contiguous(param.clone()),
-            into_contiguous(grad.clone()),
-        );
+    ) -> (Vec<CubeTensor<R>>, Vec<Option<CubeTensor<R>>>) {
+        let n = params.len();
         let with_momentum = step.momentum > 0.0;
-        let first = velocity.is_none();
-        // Without a velocity, the gradient stands in for the argument (not read).
-        let velocity = velocity.map_or_else(|| grad.clone(), |v| into_contiguous(v.clone()));
-        let client = param.client.clone();
-        let elements = param.meta.shape().num_elements();
-        let vector = widest_vector(
-            client.io_optimized_vector_sizes(DType::F32.size()),
-            elements,
-        );
-        let len = elements / vector;
-        let new_param = empty_like(&param, param.meta.shape().clone());
-        let new_velocity = with_momentum.then(|| empty_like(&param, param.meta.shape().clone()));
-        // Without momentum the kernel writes no velocity: one vector stands in.
-        let velocity_out = new_velocity
-            .clone()
-            .unwrap_or_else(|| empty_like(&param, Shape::new([vector])));
-        let dim = CubeDim::new(&client, len);
-        sgd_kernel::launch::<R>(
-            &client,
-            calculate_cube_count_elemwise(&client, len, dim),
-            dim,
-            vector,
-            param.into_tensor_arg(),
-            grad.into_tensor_arg(),
-            velocity.into_tensor_arg(),
-            new_param.clone().into_tensor_arg(),
-            velocity_out.into_tensor_arg(),
-            len,
-            step.lr as f32,
-            step.momentum as f32,
-            step.dampening as f32,
-            step.weight_decay as f32,
-            step.weight_decay > 0.0,
-            with_momentum,
-            first,
-            step.nesterov,
-        );
-        (new_param, new_velocity)
+        let parts: Vec<_> = params
+            .into_iter()
+            .zip(grads)
+            .zip(velocities)
+            .map(|((p, g), v)| {
+                let vector = widest_vector(
+                    p.client.io_optimized_vector_sizes(DType::F32.size()),
+                    p.meta.shape().num_elements(),
+                );
+                (
+                    into_contiguous(p),
+                    into_contiguous(g),
+                    v.map(into_contiguous),
+                    vector,
+                )
+            })
+            .collect();
+        let mut groups: HashMap<(usize, bool), Vec<usize>> = HashMap::new();
+        for (i, (_, _, v, vector)) in parts.iter().enumerate() {
+            groups.entry((*vector, v.is_some())).or_default().push(i);
+        }
+        let mut new_params: Vec<Option<CubeTensor<R>>> = vec![None; n];
+        let mut new_velocities: Vec<Option<CubeTensor<R>>> = vec![None; n];
+        for ((vector, has_velocity), members) in groups {
+            for chunk in members.chunks(GROUP) {
+                let client = parts[chunk[0]].0.client.clone();
+                let (mut p_in, mut g_in, mut v_in) =
+                    (SequenceArg::new(), SequenceArg::new(), SequenceArg::new());
+                let (mut p_out, mut v_out, mut lens) =
+                    (SequenceArg::new(), SequenceArg::new(), SequenceArg::new());
+                let mut longest = 0;
+                for &i in chunk {
+                    let (p, g, v, _) = &parts[i];
+                    let len = p.meta.shape().num_elements() / vector;
+                    longest = longest.max(len);
+                    lens.push(len);
+                    let new_p = empty_like(p, p.meta.shape().clone());
+                    p_in.push(p.clone().into_tensor_arg());
+                    g_in.push(g.clone().into_tensor_arg());
+                    p_out.push(new_p.clone().into_tensor_arg());
+                    new_params[i] = Some(new_p);
+                    if let Some(v) = v.as_ref().filter(|_| with_momentum) {
+                        v_in.push(v.clone().into_tensor_arg());
+                    }
+                    if with_momentum {
+                        let new_v = empty_like(p, p.meta.shape().clone());
+                        v_out.push(new_v.clone().into_tensor_arg());
+                        new_velocities[i] = Some(new_v);
+                    }
+                }
+                let dim = CubeDim::new_1d(256);
+                // Enough cubes for the longest parameter up to a bound; past it the
+                // cubes stride.
+                let cubes = longest.div_ceil(256).clamp(1, 256) as u32;
+                sgd_group_kernel::launch::<R>(
+                    &client,
+                    CubeCount::Static(cubes, chunk.len() as u32, 1),
+                    dim,
+                    vector,
+                    p_in,
+                    g_in,
+                    v_in,
+                    p_out,
+                    v_out,
+                    lens,
+                    step.lr as f32,
+                    step.momentum as f32,
+                    step.dampening as f32,
+                    step.weight_decay as f32,
+                    step.weight_decay > 0.0,
+                    with_momentum,
+                    !has_velocity,
+                    step.nesterov,
+                );
+            }
+        }
+        let params = new_params
+            .into_iter()
+            .map(|p| p.expect("every parameter is in one group"))
+            .collect();
+        (params, new_velocities)
     }
 
     impl<F: FloatElement, I: IntElement, BT: BoolElement> SgdBackend
@@ -231,12 +291,7 @@ mod cuda {
             if !fits {
                 return step_reference::<Self>(params, grads, velocities, step);
             }
-            params
-                .iter()
-                .zip(&grads)
-                .zip(&velocities)
-                .map(|((p, g), v)| step_one(p, g, v.as_ref(), step))
-                .unzip()
+            step_grouped(params, grads, velocities, step)
         }
     }
 }
@@ -253,8 +308,10 @@ mod tests {
     #[ignore = "needs a CUDA GPU"]
     fn sgd_kernels_match_burns_operations_on_the_gpu() {
         let dev = CudaDevice::new(0);
-        // A shape of no vector width, one of vectors, and a convolution weight's.
-        let shapes = [vec![5], vec![64], vec![32, 16, 3, 3]];
+        // Shapes of no vector width, of vectors, a convolution weight's, and more of
+        // one width than one launch steps.
+        let mut shapes = vec![vec![5], vec![64], vec![32, 16, 3, 3], vec![7, 3]];
+        shapes.extend((0..40).map(|i| vec![8 * (i + 1)]));
         let inputs = |seed: u64| {
             <Cuda as Backend>::seed(&dev, seed);
             let make = || {
