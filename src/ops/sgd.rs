@@ -97,11 +97,11 @@ pub(crate) fn step_reference<B: Backend>(
 
 #[cfg(feature = "cuda")]
 mod cuda {
-    use std::collections::HashMap;
+    use std::collections::BTreeMap;
 
     use burn::cubecl::cuda::CudaRuntime;
+    use burn::tensor::DType;
     use burn::tensor::ops::FloatTensor;
-    use burn::tensor::{DType, Shape};
     use burn_cubecl::kernel::into_contiguous;
     use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
     use burn_cubecl::tensor::CubeTensor;
@@ -170,9 +170,17 @@ mod cuda {
         }
     }
 
-    /// An f32 tensor of `shape` on `t`'s device.
-    fn empty_like<R: CubeRuntime>(t: &CubeTensor<R>, shape: Shape) -> CubeTensor<R> {
-        empty_device_contiguous_dtype(t.client.clone(), t.device.clone(), shape, DType::F32)
+    /// Threads per cube of [`sgd_group_kernel`].
+    const THREADS: u32 = 256;
+
+    /// A contiguous f32 tensor of `t`'s shape on its device.
+    fn empty_like<R: CubeRuntime>(t: &CubeTensor<R>) -> CubeTensor<R> {
+        empty_device_contiguous_dtype(
+            t.client.clone(),
+            t.device.clone(),
+            t.meta.shape().clone(),
+            DType::F32,
+        )
     }
 
     /// Steps every parameter, up to [`GROUP`] in one launch among those of one vector
@@ -203,7 +211,8 @@ mod cuda {
                 )
             })
             .collect();
-        let mut groups: HashMap<(usize, bool), Vec<usize>> = HashMap::new();
+        // Ordered, so that the launches come in the same order every step.
+        let mut groups: BTreeMap<(usize, bool), Vec<usize>> = BTreeMap::new();
         for (i, (_, _, v, vector)) in parts.iter().enumerate() {
             groups.entry((*vector, v.is_some())).or_default().push(i);
         }
@@ -222,28 +231,28 @@ mod cuda {
                     let len = p.meta.shape().num_elements() / vector;
                     longest = longest.max(len);
                     lens.push(len);
-                    let new_p = empty_like(p, p.meta.shape().clone());
+                    let new_p = empty_like(p);
                     p_in.push(p.clone().into_tensor_arg());
                     g_in.push(g.clone().into_tensor_arg());
                     p_out.push(new_p.clone().into_tensor_arg());
                     new_params[i] = Some(new_p);
-                    if let Some(v) = v.as_ref().filter(|_| with_momentum) {
-                        v_in.push(v.clone().into_tensor_arg());
-                    }
+                    // Without momentum the kernel reads and writes no velocity.
                     if with_momentum {
-                        let new_v = empty_like(p, p.meta.shape().clone());
+                        if let Some(v) = v {
+                            v_in.push(v.clone().into_tensor_arg());
+                        }
+                        let new_v = empty_like(p);
                         v_out.push(new_v.clone().into_tensor_arg());
                         new_velocities[i] = Some(new_v);
                     }
                 }
-                let dim = CubeDim::new_1d(256);
                 // Enough cubes for the longest parameter up to a bound; past it the
                 // cubes stride.
-                let cubes = longest.div_ceil(256).clamp(1, 256) as u32;
+                let cubes = longest.div_ceil(THREADS as usize).clamp(1, 256) as u32;
                 sgd_group_kernel::launch::<R>(
                     &client,
                     CubeCount::Static(cubes, chunk.len() as u32, 1),
-                    dim,
+                    CubeDim::new_1d(THREADS),
                     vector,
                     p_in,
                     g_in,
