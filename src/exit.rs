@@ -7,6 +7,7 @@ use std::process::ExitCode;
 use crate::config::ConfigError;
 use crate::data::DataError;
 use crate::device::DeviceError;
+use crate::dist::DistError;
 use crate::train::{CheckpointError, ReplicaError, TrainError};
 
 pub const USAGE: u8 = 2;
@@ -36,6 +37,9 @@ pub fn code_for(err: &anyhow::Error) -> ExitCode {
         if let Some(e) = cause.downcast_ref::<CheckpointError>() {
             return checkpoint_code(e);
         }
+        if let Some(e) = cause.downcast_ref::<DistError>() {
+            return dist_code(e);
+        }
         if let Some(e) = cause.downcast_ref::<TrainError>() {
             return match e {
                 TrainError::BatchTooLarge { .. }
@@ -46,12 +50,25 @@ pub fn code_for(err: &anyhow::Error) -> ExitCode {
                     ExitCode::from(DEVICE_UNAVAILABLE)
                 }
                 TrainError::Checkpoint(c) => checkpoint_code(c),
+                TrainError::Dist(d) => dist_code(d),
+                TrainError::DevicesPerRank { .. } | TrainError::BatchPerRank { .. } => {
+                    ExitCode::from(USAGE)
+                }
                 // Bad data met mid-run: training had started, so not a usage error.
                 _ => ExitCode::from(1),
             };
         }
     }
     ExitCode::from(1)
+}
+
+/// Ranks started inconsistently: fix the command. Any other loss of a peer (it died,
+/// hung, or never came): the launcher restarts the whole run from its checkpoint.
+fn dist_code(e: &DistError) -> ExitCode {
+    ExitCode::from(match e {
+        DistError::Mismatch(_) => USAGE,
+        _ => DEVICE_UNAVAILABLE,
+    })
 }
 
 /// Nothing to resume from, a corrupt or incompatible checkpoint: the user must choose

@@ -5,6 +5,7 @@ mod cmd;
 mod config;
 mod data;
 mod device;
+mod dist;
 mod exit;
 mod model;
 mod ops;

@@ -9,11 +9,13 @@ use anyhow::Context;
 
 use crate::cli::TrainArgs;
 use crate::config::{self, Config};
-use crate::device::{DevicePlan, UsageMonitor};
+use crate::device::{DeviceEnv, DeviceError, DevicePlan, UsageMonitor, World};
+use crate::dist::{Group, Join};
 use crate::exit::{INTERRUPTED, UsageError};
 use crate::run::failure::{UsedDevice, write_devices};
 use crate::train::backend::with_training_backend;
 use crate::train::{Outcome, TrainJob};
+use std::time::Duration;
 
 /// Keys whose change would make a resumed run a different run (other network, other
 /// data order); everything else may change between resumes and is listed.
@@ -28,12 +30,18 @@ const FIXED_ON_RESUME: &[&str] = &[
 ];
 
 pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
-    if args.supervised || args.no_supervisor {
-        train_here(args)
+    let world = World::read().map_err(DeviceError::from)?;
+    // A rank that restarted alone could not rejoin the others: a multi-process run is
+    // restarted whole, by `kiln launch` (or by the job script around `srun`).
+    if args.supervised || args.no_supervisor || world.is_some() {
+        train_here(args, world)
     } else {
         super::supervise::run(args)
     }
 }
+
+/// How long the ranks of a multi-process run wait for each other at the start.
+const RENDEZVOUS_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// The run to continue (`--resume`), the config, the config's name, and notes on
 /// what changed since the run's own config.
@@ -58,21 +66,60 @@ pub fn resolve(args: &TrainArgs) -> anyhow::Result<(Option<PathBuf>, Config, Str
 /// Why CUDA runs cannot promise bitwise repetition (BENCHMARKS.md, "Determinism").
 const NOT_DETERMINISTIC_ON_CUDA: &str = "train.deterministic = true is not available on CUDA with Burn 0.21: cubecl chooses matmul, convolution and reduction kernels by timing them (autotune), so two runs can add in different orders, and Burn has no deterministic mode that pins them. Train on the CPU (devices.backend = \"cpu\"), which repeats exactly, or set train.deterministic = false";
 
-/// Trains in this process.
-fn train_here(args: TrainArgs) -> anyhow::Result<ExitCode> {
-    let (resume_dir, config, name, notes) = resolve(&args)?;
-    for note in notes {
+/// Trains in this process: alone, or as one rank of `world`.
+fn train_here(args: TrainArgs, world: Option<World>) -> anyhow::Result<ExitCode> {
+    let (resume_dir, mut config, name, notes) = resolve(&args)?;
+    let lead = world.as_ref().is_none_or(|w| w.rank == 0);
+    for note in notes.iter().filter(|_| lead) {
         eprintln!("kiln: note: {note}");
+    }
+    if let Some(w) = &world {
+        eprintln!("kiln: process: {}", w.describe());
+        one_gpu_per_rank(&mut config, w);
     }
     let plan = super::plan_devices(&config.devices)?;
     if config.train.deterministic && matches!(plan, DevicePlan::Cuda { .. }) {
         return Err(UsageError(NOT_DETERMINISTIC_ON_CUDA.into()).into());
     }
-    let run_dir = match (&resume_dir, &args.run_dir) {
-        (Some(dir), _) => dir.clone(),
-        (None, Some(dir)) => dir.clone(),
-        (None, None) => create_run_dir(&args.output, &name)?,
+    let mut run_dir = match (&resume_dir, &args.run_dir) {
+        (Some(dir), _) => Some(dir.clone()),
+        (None, Some(dir)) => Some(dir.clone()),
+        // The other ranks learn rank 0's run dir at the rendezvous.
+        (None, None) if lead => Some(create_run_dir(&args.output, &name)?),
+        (None, None) => None,
     };
+    let group = match &world {
+        Some(w) => {
+            let hash = config.training_hash();
+            let device = plan.device_names().join(", ");
+            let group = Group::join(&Join {
+                rank: w.rank,
+                size: w.size,
+                master: &w.master(),
+                port: w.master_port,
+                timeout: RENDEZVOUS_TIMEOUT,
+                training_hash: &hash,
+                run_dir: run_dir.as_deref(),
+                device: &device,
+            })?;
+            run_dir = Some(group.run_dir().to_path_buf());
+            if lead {
+                eprintln!(
+                    "kiln: {} processes joined: {}",
+                    w.size,
+                    group
+                        .members()
+                        .iter()
+                        .map(|m| format!("rank {} {} on {}", m.rank, m.device, m.host))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                );
+            }
+            Some(group)
+        }
+        None => None,
+    };
+    let run_dir = run_dir.expect("every rank has a run dir after the rendezvous");
 
     let used: Vec<UsedDevice> = match &plan {
         DevicePlan::Cuda { gpus, .. } => gpus
@@ -87,8 +134,11 @@ fn train_here(args: TrainArgs) -> anyhow::Result<ExitCode> {
             uuid: String::new(),
         }],
     };
-    write_devices(&run_dir, &used)
-        .with_context(|| format!("writing the device list into {}", run_dir.display()))?;
+    // The single-process supervisor reads it; `kiln launch` keeps its own rank map.
+    if world.is_none() {
+        write_devices(&run_dir, &used)
+            .with_context(|| format!("writing the device list into {}", run_dir.display()))?;
+    }
     let dataset = crate::data::open(&config.data, config.train.seed)?;
     eprintln!(
         "kiln: data: {:?} at {} ({} train / {} test images, {}x{}x{}, {} classes)",
@@ -110,9 +160,11 @@ fn train_here(args: TrainArgs) -> anyhow::Result<ExitCode> {
     let mut resolved = config.clone();
     resolved.data.root = dataset.root.display().to_string();
     let config_path = run_dir.join("config.toml");
-    crate::report::write_atomic(&config_path, config::to_toml(&resolved).as_bytes())
-        .with_context(|| format!("writing {}", config_path.display()))?;
-    eprintln!("kiln: run dir: {}", run_dir.display());
+    if lead {
+        crate::report::write_atomic(&config_path, config::to_toml(&resolved).as_bytes())
+            .with_context(|| format!("writing {}", config_path.display()))?;
+        eprintln!("kiln: run dir: {}", run_dir.display());
+    }
 
     let interrupt = install_signal_handler();
     let kernels = super::kernel_settings(&config, &plan)?;
@@ -130,9 +182,16 @@ fn train_here(args: TrainArgs) -> anyhow::Result<ExitCode> {
             )),
             DevicePlan::Cpu { .. } => None,
         },
+        group,
     };
     let recompute = job.config.train.gradient_checkpointing;
     let (outcome, state) = with_training_backend(&plan, &kernels, recompute, job)?;
+    if !lead {
+        return Ok(match outcome {
+            Outcome::Interrupted => ExitCode::from(INTERRUPTED),
+            _ => ExitCode::SUCCESS,
+        });
+    }
     let best = state
         .best()
         .map(|(acc, epoch)| format!(", best {:.2}% at epoch {epoch}", acc * 100.0))
@@ -170,6 +229,23 @@ fn train_here(args: TrainArgs) -> anyhow::Result<ExitCode> {
             ExitCode::from(INTERRUPTED)
         }
     })
+}
+
+/// A rank trains on one GPU: the one it was given (`kiln launch`, or Slurm's
+/// `--gpus-per-task`), or, when it sees all of its node's GPUs, the one of its local
+/// rank, so that the ranks of a node never share one.
+fn one_gpu_per_rank(config: &mut Config, world: &World) {
+    let visible = DeviceEnv::read().visible;
+    // At most one: a GPU of its own, or none (the CPU).
+    let given = visible
+        .as_deref()
+        .is_some_and(|v| v.split(',').filter(|e| !e.trim().is_empty()).count() <= 1);
+    config.devices.main = 0;
+    config.devices.select = if config.devices.backend == config::BackendChoice::Cpu || given {
+        config::Selection::All
+    } else {
+        config::Selection::List(vec![world.local_rank])
+    };
 }
 
 /// The config file (plus `--set`), or the run's own `config.toml` when resuming without one.

@@ -61,6 +61,18 @@ pub struct Loader {
     seed: u64,
     workers: usize,
     prefetch: usize,
+    /// `(part, parts)`: only this part of every batch is made (one process's shard of
+    /// a multi-process run); `(0, 1)` makes whole batches.
+    shard: (usize, usize),
+}
+
+/// Images `start..end` of a batch of `n` cut into `parts` consecutive shards: equal,
+/// the first `n % parts` one image larger, the same cut as the single-process
+/// learner's `shard_sizes` with equal weights.
+pub fn shard_range(n: usize, part: usize, parts: usize) -> (usize, usize) {
+    let (base, extra) = (n / parts, n % parts);
+    let start = part * base + part.min(extra);
+    (start, start + base + usize::from(part < extra))
 }
 
 impl Loader {
@@ -84,7 +96,16 @@ impl Loader {
             seed,
             workers: workers.max(1),
             prefetch: prefetch.max(1),
+            shard: (0, 1),
         }
+    }
+
+    /// The same loader making only shard `part` of `parts` of every batch; the order,
+    /// the batches and every augmentation stay those of the whole loader.
+    pub fn sharded(mut self, part: usize, parts: usize) -> Self {
+        assert!(part < parts, "a shard of the batch");
+        self.shard = (part, parts);
+        self
     }
 
     pub fn num_images(&self) -> usize {
@@ -164,6 +185,8 @@ impl Loader {
         let shape = self.source.shape();
         let lo = k * self.batch_size;
         let hi = (lo + self.batch_size).min(order.len());
+        let (from, to) = shard_range(hi - lo, self.shard.0, self.shard.1);
+        let (lo, hi) = (lo + from, lo + to);
         let n = hi - lo;
         let mut images = vec![0f32; n * shape.len()];
         let mut labels = Vec::with_capacity(n);
@@ -278,6 +301,41 @@ mod tests {
             .collect();
         assert_eq!(one.len(), 9, "train drops the last partial batch");
         assert_eq!(one, five);
+    }
+
+    #[test]
+    fn the_shards_of_a_batch_put_together_are_the_whole_batch() {
+        // Batch size 4 over 3 processes: shards of 2, 1 and 1 images.
+        assert_eq!(
+            (0..3).map(|p| shard_range(4, p, 3)).collect::<Vec<_>>(),
+            vec![(0, 2), (2, 3), (3, 4)]
+        );
+        assert_eq!(shard_range(1, 1, 2), (1, 1), "a shard may be empty");
+        for train in [true, false] {
+            let whole: Vec<Batch> = loader(37, 2, train)
+                .epoch(2, 0)
+                .map(Result::unwrap)
+                .collect();
+            let shards: Vec<Vec<Batch>> = (0..3)
+                .map(|p| {
+                    loader(37, 2, train)
+                        .sharded(p, 3)
+                        .epoch(2, 0)
+                        .map(Result::unwrap)
+                        .collect()
+                })
+                .collect();
+            for (k, b) in whole.iter().enumerate() {
+                let parts: Vec<Batch> = shards.iter().map(|s| s[k].clone()).collect();
+                let [_, c, h, w] = b.shape;
+                let joined = Batch {
+                    images: parts.iter().flat_map(|p| p.images.clone()).collect(),
+                    labels: parts.iter().flat_map(|p| p.labels.clone()).collect(),
+                    shape: [parts.iter().map(|p| p.labels.len()).sum(), c, h, w],
+                };
+                assert_eq!(&joined, b, "batch {k} (train: {train})");
+            }
+        }
     }
 
     #[test]

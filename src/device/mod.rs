@@ -9,11 +9,13 @@ mod plan;
 mod probe;
 mod select;
 mod visible;
+pub mod world;
 
 pub use env::DeviceEnv;
 pub use nvml::{GpuUsage, UsageMonitor};
 pub use plan::{DeviceError, DevicePlan, Inventory, kernel_cache_dir, plan};
 pub use probe::{GpuInfo, Probe, memory_in_use_mib};
+pub use world::World;
 
 use crate::config::DevicesConfig;
 

@@ -57,6 +57,8 @@ impl DevicePlan {
 
 #[derive(Debug, thiserror::Error)]
 pub enum DeviceError {
+    #[error("multi-process run: {0}; `kiln launch` and `srun` set these for each process")]
+    World(#[from] super::world::WorldError),
     #[error("devices.backend = \"cuda\" but no GPU can be used: {0}")]
     CudaUnavailable(String),
     #[error(

@@ -12,6 +12,7 @@ mod loss;
 mod loss_scale;
 mod optim;
 mod parallel;
+mod ranks;
 mod schedule;
 mod state;
 mod step;

@@ -51,12 +51,22 @@ impl<B: Backend> Sums<B> {
 
     /// Reads the sums back (one device synchronisation): mean loss and accuracy.
     pub fn read(self) -> (f64, f64) {
+        means(self.totals())
+    }
+
+    /// Reads the sums back: loss times images, correct predictions, images.
+    pub fn totals(self) -> (f64, f64, usize) {
         use burn::tensor::ElementConversion;
-        let n = self.images.max(1) as f64;
         let loss: f64 = self.loss.into_scalar().elem();
         let correct: f64 = self.correct.into_scalar().elem();
-        (loss / n, correct / n)
+        (loss, correct, self.images)
     }
+}
+
+/// Mean loss and accuracy of `(loss × images, correct, images)`.
+pub fn means((loss, correct, images): (f64, f64, usize)) -> (f64, f64) {
+    let n = images.max(1) as f64;
+    (loss / n, correct / n)
 }
 
 /// The batch on `device`: images through [`UploadBackend`] (page-locked staging on
@@ -163,18 +173,34 @@ pub fn train_step<
     device: &B::Device,
     scale: Option<f64>,
 ) -> (M, Sums<B::InnerBackend>, bool) {
-    let total = batch.labels.len() as f64;
+    let total = batch.labels.len();
+    let (grads, sums) = local_grads(&model, batch, total, cfg, device, scale);
+    let (model, stepped) = apply(model, optim, grads, lr, cfg, scale);
+    (model, sums, stepped)
+}
+
+/// The summed gradients of `batch`'s micro-batches, each loss weighted by its images'
+/// share of a global batch of `global_images` (more than the batch's own when it is
+/// one process's shard of it).
+pub fn local_grads<B: AutodiffBackend + UploadBackend, M: Classifier<B> + AutodiffModule<B>>(
+    model: &M,
+    batch: Batch,
+    global_images: usize,
+    cfg: &TrainConfig,
+    device: &B::Device,
+    scale: Option<f64>,
+) -> (GradientsParams, Sums<B::InnerBackend>) {
+    let total = global_images as f64;
     let mut acc = GradientsAccumulator::<M>::new();
     let mut sums = None;
     for micro in micro_batches(batch, cfg) {
         let weight = micro.labels.len() as f64 / total * scale.unwrap_or(1.0);
-        let (g, s) = forward_backward(&model, micro, device, weight, cfg.label_smoothing);
-        acc.accumulate(&model, g);
+        let (g, s) = forward_backward(model, micro, device, weight, cfg.label_smoothing);
+        acc.accumulate(model, g);
         sums = Sums::accumulate(sums, s);
     }
     let sums = sums.expect("a batch has at least one micro-batch");
-    let (model, stepped) = apply(model, optim, acc.grads(), lr, cfg, scale);
-    (model, sums, stepped)
+    (acc.grads(), sums)
 }
 
 /// Loss and accuracy sums of `model` (BatchNorm in inference mode) on one batch.

@@ -16,15 +16,17 @@ use super::checkpoint::{self, CheckpointError, Snapshot, Store, Writer};
 use super::loss_scale::LossScale;
 use super::optim::Optim;
 use super::parallel::{ReplicaError, Replicas, act_out, balance_report};
+use super::ranks::Ranks;
 use super::schedule::{Horizon, lr_at};
 use super::state::{EpochRecord, TrainState};
-use super::step::{Sums, eval_batch, train_step};
+use super::step::{Sums, apply, eval_batch, local_grads, means, train_step};
 use super::transfer::Buckets;
 use super::watchdog::{Pending, Watchdog};
 use crate::config::Config;
 use crate::config::{FaultKind, FaultsConfig};
 use crate::data::{DataError, Dataset, Loader};
 use crate::device::{GpuUsage, UsageMonitor};
+use crate::dist::{DistError, Group};
 use crate::model::{Compute, ModelSpec, ResNet};
 use crate::report::{self, Progress, Summary, Ticker};
 use crate::run::failure::{Failure, write_failure};
@@ -49,6 +51,21 @@ pub enum TrainError {
         "train.device_weights has {weights} entries but {devices} devices are used; give one weight per device or []"
     )]
     DeviceWeights { weights: usize, devices: usize },
+    #[error(transparent)]
+    Dist(#[from] DistError),
+    #[error(
+        "a multi-process run trains on one device per process, but this process was given {devices}; start one process per GPU"
+    )]
+    DevicesPerRank { devices: usize },
+    #[error(
+        "train.batch_size = {batch} cannot be shared by {ranks} processes{why}; make it a multiple of {multiple}"
+    )]
+    BatchPerRank {
+        batch: usize,
+        ranks: usize,
+        why: &'static str,
+        multiple: usize,
+    },
 }
 
 /// How `fit` ended.
@@ -76,6 +93,9 @@ pub struct TrainJob {
     pub kernel_cache: Option<PathBuf>,
     /// On CUDA: memory and utilisation of each device, reported every epoch.
     pub usage: Option<UsageMonitor>,
+    /// The other processes of a multi-process run (`kiln launch`, `srun`); this
+    /// process then trains one shard of every global batch on its one device.
+    pub group: Option<Group>,
 }
 
 impl BackendJob for TrainJob {
@@ -96,6 +116,9 @@ struct Run<'a> {
     elapsed_before: f64,
     /// `checkpoint_write_s` of the state when this process started.
     write_s_before: f64,
+    /// Writes checkpoints and reports: every run but the ranks other than 0 of a
+    /// multi-process run, whose replicas hold the same numbers.
+    lead: bool,
 }
 
 impl Run<'_> {
@@ -108,6 +131,9 @@ impl Run<'_> {
         optim: &Optim<ResNet<B>, B>,
         test_acc: Option<f64>,
     ) -> Result<(), TrainError> {
+        if !self.lead {
+            return Ok(());
+        }
         let t = Instant::now();
         state.elapsed_s = self.elapsed_before + self.started.elapsed().as_secs_f64();
         state.checkpoint_write_s = self.write_s_before + self.writer.written_s();
@@ -129,6 +155,9 @@ impl Run<'_> {
     }
 
     fn write_reports(&self, state: &TrainState, status: &str) -> Result<(), TrainError> {
+        if !self.lead {
+            return Ok(());
+        }
         let dir = &self.job.run_dir;
         let err = |path: PathBuf| move |e: String| TrainError::Report { path, message: e };
         let metrics = dir.join("metrics.csv");
@@ -147,11 +176,20 @@ impl Run<'_> {
 
 /// Trains on `devices` (the first is the main device; several make a data-parallel run).
 pub fn fit<B: TrainBackend>(
-    job: TrainJob,
+    mut job: TrainJob,
     devices: Vec<B::Device>,
 ) -> Result<(Outcome, TrainState), TrainError> {
+    let group = job.group.take();
     let cfg = &job.config;
     let device = devices[0].clone();
+    let mut ranks = group.map(|g| Ranks::new(g, Buckets::mib(cfg.train.transfer_bucket_mib)));
+    if let Some(r) = &ranks {
+        check_world(r.size(), devices.len(), &cfg.train)?;
+    }
+    // Where this process's device stands among all the run's devices: its rank in a
+    // multi-process run. Faults and failure records count in these positions.
+    let position = ranks.as_ref().map_or(0, Ranks::rank);
+    let lead = position == 0;
     let weights = &cfg.train.device_weights;
     if !weights.is_empty() && weights.len() != devices.len() {
         return Err(TrainError::DeviceWeights {
@@ -172,18 +210,26 @@ pub fn fit<B: TrainBackend>(
         Some(r) => r.pending_probe(),
         None => {
             let name = job.devices[0].clone();
-            Box::new(move || Some((0, name.clone())))
+            Box::new(move || Some((position, name.clone())))
         }
     };
     let watchdog = Watchdog::start(cfg.train.hang_timeout_s, job.run_dir.clone(), pending);
-    let mut faults = Faults::new(&cfg.faults, &job.run_dir);
+    let mut faults = Faults::new(&cfg.faults, &job.run_dir, position);
     let spec = model_spec(cfg, &job.dataset);
     B::seed(&device, cfg.train.seed);
     let mut model = spec
         .init::<B>(&device)
         .with_compute(Compute::of(&cfg.train));
     let mut optim = Optim::<ResNet<B>, B>::new(&cfg.optim);
-    let mut state = TrainState::new(spec, job.dataset.classes.clone(), job.devices.clone());
+    let devices_used = match &ranks {
+        Some(r) => r
+            .members()
+            .iter()
+            .map(|m| format!("rank {}: {} on {}", m.rank, m.device, m.host))
+            .collect(),
+        None => job.devices.clone(),
+    };
+    let mut state = TrainState::new(spec, job.dataset.classes.clone(), devices_used.clone());
     state.config_sha256 = cfg.training_hash();
     let store = Store::new(&job.run_dir);
     let mut run = Run {
@@ -194,10 +240,19 @@ pub fn fit<B: TrainBackend>(
             cfg.checkpoint.keep_best,
         ),
         store,
-        progress: Progress::new(cfg.train.log_every_steps, cfg.train.epochs),
+        // The other ranks' progress would repeat rank 0's: they print notes only.
+        progress: Progress::new(
+            if lead {
+                cfg.train.log_every_steps
+            } else {
+                u64::MAX
+            },
+            cfg.train.epochs,
+        ),
         started: Instant::now(),
         elapsed_before: 0.0,
         write_s_before: 0.0,
+        lead,
     };
     if job.resume {
         let mut skipped = Vec::new();
@@ -226,7 +281,7 @@ pub fn fit<B: TrainBackend>(
             );
         }
         state = TrainState {
-            devices: job.devices.clone(),
+            devices: devices_used.clone(),
             config_sha256: state.config_sha256.clone(),
             ..saved
         };
@@ -245,9 +300,19 @@ pub fn fit<B: TrainBackend>(
     state.loss_scale = LossScale::for_precision(cfg.train.precision)
         .map(|fresh| state.loss_scale.unwrap_or(fresh));
 
+    if let Some(r) = ranks.as_mut() {
+        model = r.share_model(model, &device)?;
+    }
     let (train, test) = job
         .dataset
         .loaders(&cfg.data, cfg.train.batch_size, cfg.train.seed);
+    let (train, test) = match &ranks {
+        Some(r) => (
+            train.sharded(r.rank(), r.size()),
+            test.sharded(r.rank(), r.size()),
+        ),
+        None => (train, test),
+    };
     let steps_per_epoch = train.batches_per_epoch() as u64;
     if steps_per_epoch == 0 {
         return Err(TrainError::BatchTooLarge {
@@ -266,6 +331,8 @@ pub fn fit<B: TrainBackend>(
     };
     let mut first_step_pending = true;
     let mut outcome = Outcome::Finished;
+    // A multi-process run stops when any rank was interrupted, all ranks at one step.
+    let mut stop_all = false;
 
     'epochs: while state.epoch < cfg.train.epochs {
         if state.step >= max_steps {
@@ -322,14 +389,35 @@ pub fn fit<B: TrainBackend>(
                                 &job.run_dir,
                                 ReplicaError::Failed {
                                     device: job.devices[0].clone(),
-                                    position: 0,
+                                    position,
                                     step: state.step + 1,
                                     message,
                                 },
                             )
                         })?;
                     }
-                    train_step(model, &mut optim, batch, lr, &cfg.train, &device, scale)
+                    match ranks.as_mut() {
+                        None => {
+                            train_step(model, &mut optim, batch, lr, &cfg.train, &device, scale)
+                        }
+                        Some(r) => {
+                            let global = cfg.train.batch_size;
+                            let (grads, s) =
+                                local_grads(&model, batch, global, &cfg.train, &device, scale);
+                            // Waiting for the other ranks is not this device hanging: the
+                            // collective has a timeout of its own, which names the rank
+                            // that went silent.
+                            watchdog.step_finished();
+                            let asked = job.interrupt.load(Ordering::Relaxed);
+                            let (grads, stop) =
+                                r.sum_grads(grads, &model, &device, asked, state.step + 1)?;
+                            stop_all = stop;
+                            watchdog.step_started(state.step + 1);
+                            let (m, stepped) =
+                                apply(model, &mut optim, grads, lr, &cfg.train, scale);
+                            (m, s, stepped)
+                        }
+                    }
                 }
             };
             watchdog.step_finished();
@@ -354,6 +442,9 @@ pub fn fit<B: TrainBackend>(
                 run.progress
                     .println(&format!("kiln: first step took {secs:.1} s"));
                 first_step_pending = false;
+                if let Some(r) = ranks.as_mut() {
+                    r.set_timeout(collective_timeout(cfg.train.hang_timeout_s));
+                }
                 window = (Instant::now(), 0);
             }
             sums = Some(match sums {
@@ -377,8 +468,19 @@ pub fn fit<B: TrainBackend>(
                 stats,
             );
 
-            if job.interrupt.load(Ordering::Relaxed) {
-                model = synced(&mut replicas, model, state.step, &job.run_dir)?;
+            let interrupted = match &ranks {
+                Some(_) => stop_all,
+                None => job.interrupt.load(Ordering::Relaxed),
+            };
+            if interrupted {
+                model = synced(
+                    &mut replicas,
+                    &mut ranks,
+                    model,
+                    state.step,
+                    &job.run_dir,
+                    &device,
+                )?;
                 run.save(&mut state, &model, &optim, None)?;
                 run.flush(&mut state)?;
                 run.write_reports(&state, "interrupted")?;
@@ -393,35 +495,68 @@ pub fn fit<B: TrainBackend>(
             }
             let every = cfg.checkpoint.every_steps;
             if state.step >= max_steps && !end_of_epoch {
-                model = synced(&mut replicas, model, state.step, &job.run_dir)?;
+                model = synced(
+                    &mut replicas,
+                    &mut ranks,
+                    model,
+                    state.step,
+                    &job.run_dir,
+                    &device,
+                )?;
                 run.save(&mut state, &model, &optim, None)?;
                 outcome = Outcome::Stopped;
                 break 'epochs;
             }
             if every > 0 && state.step.is_multiple_of(every) && !end_of_epoch {
-                model = synced(&mut replicas, model, state.step, &job.run_dir)?;
+                model = synced(
+                    &mut replicas,
+                    &mut ranks,
+                    model,
+                    state.step,
+                    &job.run_dir,
+                    &device,
+                )?;
                 run.save(&mut state, &model, &optim, None)?;
             }
         }
 
         // End of epoch: evaluate when due, record, report, checkpoint.
-        let (train_loss, train_acc, images) = match sums {
-            Some(s) => {
-                let n = s.images;
-                let (l, a) = s.read();
-                (l, a, n)
-            }
-            None => (f64::NAN, f64::NAN, 0),
+        let totals = sums.map(Sums::totals).unwrap_or((0.0, 0.0, 0));
+        let totals = match ranks.as_mut() {
+            Some(r) => r.sum_totals(totals, &format!("epoch {}'s training metrics", epoch + 1))?,
+            None => totals,
+        };
+        let images = totals.2;
+        let (train_loss, train_acc) = if images > 0 {
+            means(totals)
+        } else {
+            (f64::NAN, f64::NAN)
         };
         if images > 0 {
             check_finite(train_loss, state.step)?;
         }
         let train_time = epoch_start.elapsed().as_secs_f64();
-        model = synced(&mut replicas, model, state.step, &job.run_dir)?;
+        model = synced(
+            &mut replicas,
+            &mut ranks,
+            model,
+            state.step,
+            &job.run_dir,
+            &device,
+        )?;
         let last = epoch + 1 == cfg.train.epochs || state.step >= max_steps;
         let every = cfg.train.eval_every_epochs;
         let (test_loss, test_acc) = if last || (every > 0 && (epoch + 1).is_multiple_of(every)) {
-            evaluate::<B::InnerBackend>(&model.valid(), &test, &device)?
+            let totals = evaluate_totals::<B::InnerBackend>(&model.valid(), &test, &device)?;
+            let totals = match ranks.as_mut() {
+                Some(r) => r.sum_totals(totals, &format!("epoch {}'s test pass", epoch + 1))?,
+                None => totals,
+            };
+            if totals.2 > 0 {
+                means(totals)
+            } else {
+                (f64::NAN, f64::NAN)
+            }
         } else {
             (f64::NAN, f64::NAN)
         };
@@ -437,7 +572,9 @@ pub fn fit<B: TrainBackend>(
             epoch_time_s: epoch_start.elapsed().as_secs_f64(),
             data_wait_s: data_wait,
         };
-        run.progress.println(&epoch_line(&record, cfg.train.epochs));
+        if lead {
+            run.progress.println(&epoch_line(&record, cfg.train.epochs));
+        }
         if let Some(r) = replicas.as_mut() {
             let (line, warning) = balance_report(&r.take_load());
             run.progress.println(&format!("kiln: balance: {line}"));
@@ -475,16 +612,62 @@ pub fn fit<B: TrainBackend>(
 /// saving it).
 fn synced<B: TrainBackend>(
     replicas: &mut Option<Replicas<B, ResNet<B>>>,
+    ranks: &mut Option<Ranks>,
     model: ResNet<B>,
     step: u64,
     run_dir: &std::path::Path,
+    device: &B::Device,
 ) -> Result<ResNet<B>, TrainError> {
+    if let Some(r) = ranks.as_mut() {
+        return Ok(r.mean_buffers(model, device, step)?);
+    }
     match replicas.as_mut() {
         Some(r) => Ok(r
             .sync_buffers(model, step)
             .map_err(|e| record_failure(run_dir, e))?),
         None => Ok(model),
     }
+}
+
+/// How long a rank waits for the others in a collective once the first step (kernel
+/// compilation, minutes on a cold cache) is behind them: `train.hang_timeout_s`, or
+/// 10 minutes, which covers an evaluation pass or a slow checkpoint on rank 0.
+fn collective_timeout(hang_timeout_s: f64) -> std::time::Duration {
+    std::time::Duration::from_secs_f64(if hang_timeout_s > 0.0 {
+        hang_timeout_s
+    } else {
+        600.0
+    })
+}
+
+/// A multi-process run's rules: one device per process, a shard for every rank (and
+/// equal micro-batches in every shard).
+fn check_world(
+    ranks: usize,
+    devices: usize,
+    cfg: &crate::config::TrainConfig,
+) -> Result<(), TrainError> {
+    if devices != 1 {
+        return Err(TrainError::DevicesPerRank { devices });
+    }
+    let (batch, k) = (cfg.batch_size, cfg.grad_accum_steps.max(1));
+    if batch < ranks {
+        return Err(TrainError::BatchPerRank {
+            batch,
+            ranks,
+            why: " (a shard for each)",
+            multiple: ranks,
+        });
+    }
+    if k > 1 && !batch.is_multiple_of(ranks * k) {
+        return Err(TrainError::BatchPerRank {
+            batch,
+            ranks,
+            why: " in equal micro-batches of train.grad_accum_steps",
+            multiple: ranks * k,
+        });
+    }
+    Ok(())
 }
 
 /// NVML is sampled every this many steps (and at the end of each epoch).
@@ -544,10 +727,15 @@ struct Faults {
 }
 
 impl Faults {
-    fn new(cfg: &FaultsConfig, run_dir: &std::path::Path) -> Self {
+    /// `first`: position of this process's first device among the run's (its rank in a
+    /// multi-process run, whose `faults.device` counts ranks).
+    fn new(cfg: &FaultsConfig, run_dir: &std::path::Path, first: usize) -> Self {
         let marker = run_dir.join("faults-fired");
-        let plan = (cfg.inject != FaultKind::None && !marker.exists())
-            .then_some((cfg.device, cfg.step, cfg.inject));
+        let plan = cfg
+            .device
+            .checked_sub(first)
+            .filter(|_| cfg.inject != FaultKind::None && !marker.exists())
+            .map(|device| (device, cfg.step, cfg.inject));
         Faults { plan, marker }
     }
 
@@ -632,15 +820,31 @@ pub fn evaluate<B: crate::ops::ModelBackend>(
     loader: &Loader,
     device: &B::Device,
 ) -> Result<(f64, f64), DataError> {
+    let totals = evaluate_totals(model, loader, device)?;
+    Ok(if totals.2 > 0 {
+        means(totals)
+    } else {
+        (f64::NAN, f64::NAN)
+    })
+}
+
+/// `(loss × images, correct, images)` of `model` over every batch of `loader` (a
+/// shard's batches may be empty).
+pub fn evaluate_totals<B: crate::ops::ModelBackend>(
+    model: &ResNet<B>,
+    loader: &Loader,
+    device: &B::Device,
+) -> Result<(f64, f64, usize), DataError> {
     let mut sums: Option<Sums<B>> = None;
     for batch in loader.epoch(0, 0) {
-        let s = eval_batch(model, batch?, device);
-        sums = Some(match sums {
-            Some(acc) => acc.add(s),
-            None => s,
-        });
+        let batch = batch?;
+        if batch.labels.is_empty() {
+            continue;
+        }
+        let s = eval_batch(model, batch, device);
+        sums = Sums::accumulate(sums, s);
     }
-    Ok(sums.map(Sums::read).unwrap_or((f64::NAN, f64::NAN)))
+    Ok(sums.map(Sums::totals).unwrap_or((0.0, 0.0, 0)))
 }
 
 fn epoch_line(r: &EpochRecord, epochs: u32) -> String {
@@ -700,6 +904,7 @@ mod tests {
             interrupt: Arc::new(AtomicBool::new(false)),
             kernel_cache: None,
             usage: None,
+            group: None,
         }
     }
 
@@ -855,6 +1060,98 @@ mod tests {
         // replicas by Burn in hash-map order, which varies in the last bits.
         let (pa, pb) = (trainable(failed.path(), &a), trainable(planned.path(), &b));
         assert_eq!(pa, pb);
+    }
+
+    /// `fit` on `size` ranks, each a thread with its own loopback link to rank 0.
+    #[allow(clippy::type_complexity)]
+    fn fit_ranks(
+        size: usize,
+        cfg: Config,
+        run_dir: &std::path::Path,
+        resume: bool,
+    ) -> Vec<Result<(Outcome, TrainState), TrainError>> {
+        use crate::dist::Join;
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let handles: Vec<_> = (0..size)
+            .map(|rank| {
+                let (cfg, dir) = (cfg.clone(), run_dir.to_path_buf());
+                std::thread::spawn(move || {
+                    let master = format!("127.0.0.1:{port}");
+                    let group = Group::join(&Join {
+                        rank,
+                        size,
+                        master: &master,
+                        port,
+                        timeout: std::time::Duration::from_secs(60),
+                        training_hash: &cfg.training_hash(),
+                        run_dir: Some(&dir),
+                        device: "cpu",
+                    })?;
+                    // Separate processes have separate generators; these threads share
+                    // one, so the other ranks draw their (overwritten) initial weights
+                    // only after rank 0 has drawn the weights every rank trains.
+                    if rank > 0 {
+                        std::thread::sleep(std::time::Duration::from_secs(1));
+                    }
+                    let mut j = job(cfg, &dir, resume);
+                    j.group = Some(group);
+                    fit::<TestBackend>(j, vec![device()])
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    }
+
+    #[test]
+    fn two_processes_train_what_two_replicas_in_one_process_train() {
+        let _rng = rng_lock();
+        let replicas = crate::test_util::tempdir();
+        let mut j = job(config(), replicas.path(), false);
+        j.devices = vec!["cpu#0".into(), "cpu#1".into()];
+        let (_, a) = fit::<TestBackend>(j, vec![device(), device()]).unwrap();
+
+        let ranks = crate::test_util::tempdir();
+        let mut out = fit_ranks(2, config(), ranks.path(), false);
+        let (outcome, b) = out.remove(0).unwrap();
+        let (_, other) = out.remove(0).unwrap();
+        assert_eq!((outcome, b.step, other.step), (Outcome::Finished, 16, 16));
+        // The same shards, gradients added in the same order: the same parameters.
+        assert_eq!(trainable(replicas.path(), &a), trainable(ranks.path(), &b));
+        let (ra, rb) = (a.history.last().unwrap(), b.history.last().unwrap());
+        assert!(
+            (ra.train_loss - rb.train_loss).abs() < 1e-5,
+            "{ra:?} {rb:?}"
+        );
+        assert!((ra.test_loss - rb.test_loss).abs() < 1e-4, "{ra:?} {rb:?}");
+        assert_eq!(ra.test_acc, rb.test_acc);
+        assert!(b.devices[1].starts_with("rank 1: cpu"), "{:?}", b.devices);
+    }
+
+    #[test]
+    fn a_rank_that_fails_ends_the_step_on_every_rank_and_the_run_resumes() {
+        let _rng = rng_lock();
+        let dir = crate::test_util::tempdir();
+        let mut cfg = config();
+        cfg.checkpoint.every_steps = 4;
+        cfg.faults.inject = FaultKind::Error;
+        cfg.faults.device = 1; // counts ranks
+        cfg.faults.step = 6;
+        let out = fit_ranks(2, cfg.clone(), dir.path(), false);
+        let root = out[0].as_ref().err().unwrap().to_string();
+        assert!(root.contains("rank 1") && root.contains("step 6"), "{root}");
+        let failed = out[1].as_ref().err().unwrap().to_string();
+        assert!(failed.contains("step 6"), "{failed}");
+        let record = std::fs::read_to_string(dir.path().join("failure.json")).unwrap();
+        assert!(record.contains("\"device_position\": 1"), "{record}");
+        // The restart (as `kiln launch` makes it): every rank resumes from step 4.
+        for h in fit_ranks(2, cfg, dir.path(), true) {
+            let (outcome, s) = h.unwrap();
+            assert_eq!((outcome, s.step), (Outcome::Finished, 16));
+        }
     }
 
     #[test]

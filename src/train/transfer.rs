@@ -95,6 +95,17 @@ impl Flat {
         self.0.iter().map(|d| numel(&d.shape)).sum()
     }
 
+    /// Every bucket's numbers, for a collective to change in place.
+    pub fn slices_mut(&mut self) -> Vec<&mut [f32]> {
+        self.0
+            .iter_mut()
+            .map(|d| {
+                d.as_mut_slice::<f32>()
+                    .expect("float tensors read back as f32")
+            })
+            .collect()
+    }
+
     fn upload<B: Backend>(&self, device: &B::Device) -> Vec<Tensor<B, 1>> {
         self.0
             .iter()
@@ -255,6 +266,11 @@ impl HostGrads {
         buckets: Buckets,
     ) -> Self {
         collect::<B, M>(model, &mut grads, buckets)
+    }
+
+    /// Every bucket's numbers, for a collective to change in place.
+    pub fn slices_mut(&mut self) -> Vec<&mut [f32]> {
+        self.flat.slices_mut()
     }
 
     /// Uploads all gradients to `device`, one bucket at a time.
