@@ -27,6 +27,12 @@ pub enum Command {
     Bench(BenchArgs),
     /// Fill the kernel and autotune caches for a config ahead of its run (CUDA).
     Warmup(WarmupArgs),
+    /// Train with one process per GPU (data parallel across processes), restarting all
+    /// of them from the latest checkpoint when one fails.
+    #[command(
+        after_help = "Exit codes: as for `kiln train`; 75 when a process failed and the restarts ran out.\nEach process sees only its own GPU; ranks other than 0 print their notes prefixed `rank N:`."
+    )]
+    Launch(LaunchArgs),
     /// Train many variants of a config (grid and random search), one GPU slot per trial.
     #[command(
         after_help = "Exit codes: 0 every trial finished, 1 some trial failed (the others ran), 2 bad sweep file,
@@ -46,6 +52,32 @@ pub struct WarmupArgs {
     /// Which GPUs, as for `train`.
     #[arg(long, value_name = "GPUS")]
     pub devices: Option<String>,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct LaunchArgs {
+    /// Processes to start, one per GPU. Default: one per GPU that `[devices]` (or
+    /// `--devices`) picks; on the CPU it must be given.
+    #[arg(long, value_name = "N", conflicts_with = "srun")]
+    pub nproc: Option<usize>,
+    /// TCP port on which rank 0 meets the others (default: a free one).
+    #[arg(long, value_name = "PORT", conflicts_with = "srun")]
+    pub port: Option<u16>,
+    /// Inside a Slurm allocation: start the processes as one `srun` step (one task per
+    /// GPU, as the allocation's `--ntasks` says) instead of on this machine; the run
+    /// dir must be on storage the nodes share.
+    #[arg(long)]
+    pub srun: bool,
+    /// Extra arguments for srun, e.g. `--srun-arg=--gpus-per-task=1` (repeatable).
+    #[arg(
+        long = "srun-arg",
+        value_name = "ARG",
+        requires = "srun",
+        allow_hyphen_values = true
+    )]
+    pub srun_args: Vec<String>,
+    #[command(flatten)]
+    pub train: TrainArgs,
 }
 
 #[derive(Debug, clap::Args)]

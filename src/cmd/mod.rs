@@ -4,6 +4,7 @@
 mod bench;
 mod devices;
 mod eval;
+mod launch;
 mod supervise;
 mod sweep;
 mod train;
@@ -20,6 +21,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Devices(args) => devices::run(args),
         Command::Bench(args) => bench::run(args),
         Command::Sweep(args) => sweep::run(args),
+        Command::Launch(args) => launch::run(args),
         Command::Warmup(args) => warmup::run(args),
     }
 }

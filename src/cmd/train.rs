@@ -110,7 +110,10 @@ fn train_here(args: TrainArgs, world: Option<World>) -> anyhow::Result<ExitCode>
                     group
                         .members()
                         .iter()
-                        .map(|m| format!("rank {} {} on {}", m.rank, m.device, m.host))
+                        .map(|m| format!(
+                            "rank {} {} on {} (pid {})",
+                            m.rank, m.device, m.host, m.pid
+                        ))
                         .collect::<Vec<_>>()
                         .join(", ")
                 );

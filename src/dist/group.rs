@@ -229,15 +229,18 @@ impl Group {
             last,
         };
         let mut stream = loop {
-            let attempt = j
-                .master
-                .to_socket_addrs()
-                .and_then(|mut addrs| {
-                    addrs
-                        .next()
-                        .ok_or_else(|| std::io::Error::new(ErrorKind::NotFound, "no address"))
-                })
-                .and_then(|addr| TcpStream::connect_timeout(&addr, Duration::from_secs(5)));
+            // Every address the name has (`localhost` is ::1 and 127.0.0.1; rank 0
+            // listens on IPv4).
+            let attempt = j.master.to_socket_addrs().and_then(|addrs| {
+                let mut last = std::io::Error::new(ErrorKind::NotFound, "no address");
+                for addr in addrs {
+                    match TcpStream::connect_timeout(&addr, Duration::from_secs(5)) {
+                        Ok(s) => return Ok(s),
+                        Err(e) => last = e,
+                    }
+                }
+                Err(last)
+            });
             match attempt {
                 Ok(s) => break s,
                 Err(e) if Instant::now() > deadline => return Err(unreachable(e.to_string())),

@@ -57,6 +57,21 @@ pub fn write_devices(run_dir: &Path, devices: &[UsedDevice]) -> std::io::Result<
     write_json(&run_dir.join(DEVICES_FILE), &devices)
 }
 
+/// `ranks.json`: each process of a multi-process attempt on this machine, for the user
+/// who wants to find one (and for tests that kill one).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RankProcess {
+    pub rank: usize,
+    pub pid: u32,
+    pub device: String,
+}
+
+pub const RANKS_FILE: &str = "ranks.json";
+
+pub fn write_ranks(run_dir: &Path, ranks: &[RankProcess]) -> std::io::Result<()> {
+    write_json(&run_dir.join(RANKS_FILE), &ranks)
+}
+
 pub fn read_devices(run_dir: &Path) -> Vec<UsedDevice> {
     std::fs::read_to_string(run_dir.join(DEVICES_FILE))
         .ok()

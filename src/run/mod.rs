@@ -1,5 +1,6 @@
-//! Running `kiln train` as a supervised process: failure records, and the restart
-//! policy. No Burn here.
+//! Running `kiln train` as supervised processes: failure records, the restart policy,
+//! and what the exits of a multi-process run's processes mean. No Burn here.
 
 pub mod failure;
+pub mod ranks;
 pub mod supervisor;

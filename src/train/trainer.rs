@@ -190,6 +190,11 @@ pub fn fit<B: TrainBackend>(
     // multi-process run. Faults and failure records count in these positions.
     let position = ranks.as_ref().map_or(0, Ranks::rank);
     let lead = position == 0;
+    // How failures name this process's device.
+    let this_device = match &ranks {
+        Some(r) => format!("rank {} ({})", r.rank(), job.devices[0]),
+        None => job.devices[0].clone(),
+    };
     let weights = &cfg.train.device_weights;
     if !weights.is_empty() && weights.len() != devices.len() {
         return Err(TrainError::DeviceWeights {
@@ -209,7 +214,7 @@ pub fn fit<B: TrainBackend>(
     let pending: Pending = match &replicas {
         Some(r) => r.pending_probe(),
         None => {
-            let name = job.devices[0].clone();
+            let name = this_device.clone();
             Box::new(move || Some((position, name.clone())))
         }
     };
@@ -388,7 +393,7 @@ pub fn fit<B: TrainBackend>(
                             record_failure(
                                 &job.run_dir,
                                 ReplicaError::Failed {
-                                    device: job.devices[0].clone(),
+                                    device: this_device.clone(),
                                     position,
                                     step: state.step + 1,
                                     message,
@@ -429,7 +434,12 @@ pub fn fit<B: TrainBackend>(
             // A checkpoint that failed on disk stops training now, not at the next one.
             run.writer.poll()?;
             model = m;
-            window.1 += s.images;
+            // The whole run's images: every rank trains a shard of the same global batch.
+            window.1 += if ranks.is_some() {
+                cfg.train.batch_size
+            } else {
+                s.images
+            };
             let step_sums = s;
             state.step += 1;
             state.batch_in_epoch += 1;

@@ -866,3 +866,207 @@ fn an_fp32_run_resumed_in_fp16_starts_its_loss_scale() {
     .stderr_has("resuming with train.precision changed");
     assert_eq!(summary(&run)["loss_scale"], 65536.0);
 }
+
+fn launch(out: &Path, how: &[&str], sets: &[&str]) -> Command {
+    let mut cmd = kiln();
+    cmd.arg("launch")
+        .args(how)
+        .args(["--config", DEBUG_TOML, "--output"])
+        .arg(out);
+    for s in sets {
+        cmd.args(["--set", s]);
+    }
+    cmd
+}
+
+#[test]
+fn launch_on_the_cpu_asks_how_many_processes() {
+    let out = tempdir("launch-nproc");
+    Output::of(&mut launch(&out, &[], &[]))
+        .code(2)
+        .stderr_has("--nproc");
+}
+
+#[test]
+fn two_launched_processes_restart_together_after_one_fails_and_end_as_if_uninterrupted() {
+    let plain = tempdir("launch-plain");
+    Output::of(&mut launch(
+        &plain,
+        &["--nproc", "2"],
+        &["checkpoint.every_steps=4"],
+    ))
+    .success()
+    .stderr_has("2 processes joined")
+    .stderr_has("rank 1: kiln: process: rank 1 of 2");
+    let s = summary(&run_dir(&plain));
+    assert_eq!(s["devices"].as_array().map(Vec::len), Some(2), "{s}");
+    // Rank 1's device fails in step 10 (epoch 2); the epoch-1 checkpoint is step 8.
+    let failed = tempdir("launch-error");
+    let sets = [
+        "checkpoint.every_steps=4",
+        "faults.inject=error",
+        "faults.device=1",
+        "faults.step=10",
+    ];
+    Output::of(&mut launch(&failed, &["--nproc", "2"], &sets))
+        .success()
+        .stderr_has("rank 1 (cpu) failed at step 10")
+        .stderr_has("rank 1: kiln: error: replica on rank 1 (cpu) failed at step 10")
+        .stderr_has("left the run during step 10")
+        .stderr_has("restart 1 of 3")
+        .stderr_has("step-000000008");
+    assert_eq!(
+        summary(&run_dir(&plain))["final_test_loss"],
+        summary(&run_dir(&failed))["final_test_loss"]
+    );
+}
+
+#[test]
+fn a_launched_process_killed_with_sigkill_is_restarted_with_the_others() {
+    let plain = tempdir("launch-kill-plain");
+    Output::of(&mut launch(
+        &plain,
+        &["--nproc", "2"],
+        &["checkpoint.every_steps=2"],
+    ))
+    .success();
+    // Rank 1 is held inside step 7 (an injected hang, watched only after 10 minutes),
+    // so rank 0 waits for it; then rank 1 is killed.
+    let out = tempdir("launch-kill");
+    let sets = [
+        "checkpoint.every_steps=2",
+        "faults.inject=hang",
+        "faults.device=1",
+        "faults.step=7",
+        "train.hang_timeout_s=600",
+    ];
+    let mut child = launch(&out, &["--nproc", "2"], &sets)
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = child.stderr.take().unwrap();
+    let reader = std::thread::spawn(move || {
+        let mut s = String::new();
+        std::io::Read::read_to_string(&mut stderr, &mut s).unwrap();
+        s
+    });
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let run = loop {
+        let found = std::fs::read_dir(&out)
+            .ok()
+            .and_then(|mut d| d.next())
+            .map(|e| e.unwrap().path())
+            .filter(|r| r.join("checkpoints/step-000000006/manifest.json").is_file());
+        if let Some(r) = found {
+            break r;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the run never reached step 6"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let ranks: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run.join("ranks.json")).unwrap()).unwrap();
+    let pid = ranks[1]["pid"].as_u64().unwrap().to_string();
+    assert!(
+        Command::new("kill")
+            .args(["-9", &pid])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let code = child.wait().unwrap().code();
+    let stderr = reader.join().unwrap();
+    assert_eq!(code, Some(0), "{stderr}");
+    for text in [
+        "rank 1 (cpu) was killed",
+        "left the run during step 7",
+        "restart 1 of 3",
+        "step-000000006",
+    ] {
+        assert!(stderr.contains(text), "stderr lacks {text:?}:\n{stderr}");
+    }
+    assert_eq!(
+        summary(&run_dir(&plain))["final_test_loss"],
+        summary(&run)["final_test_loss"]
+    );
+}
+
+/// A stand-in for `srun` in `dir/bin`: runs the command as `FAKE_SRUN_TASKS` tasks of
+/// one step on this machine, with the variables Slurm gives each task, and exits with
+/// the highest exit code, as srun does.
+fn fake_srun(dir: &Path) -> PathBuf {
+    let bin = dir.join("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    let srun = r#"#!/bin/sh
+[ "$1" = "--kill-on-bad-exit=1" ] || { echo "fake srun: expected --kill-on-bad-exit=1" >&2; exit 99; }
+shift
+n=$FAKE_SRUN_TASKS
+steps="$(dirname "$0")/steps"
+step=$(cat "$steps" 2> /dev/null || echo 0)
+echo $((step + 1)) > "$steps"
+pids=""
+i=0
+while [ $i -lt $n ]; do
+  SLURM_STEP_NUM_TASKS=$n SLURM_PROCID=$i SLURM_LOCALID=$i SLURM_NODEID=0 \
+  SLURM_STEP_TASKS_PER_NODE=$n SLURM_STEP_NODELIST=localhost SLURM_JOB_ID=$FAKE_SRUN_JOB \
+  SLURM_STEP_ID=$step "$@" &
+  pids="$pids $!"
+  i=$((i + 1))
+done
+code=0
+for p in $pids; do
+  wait $p
+  c=$?
+  [ $c -gt $code ] && code=$c
+done
+exit $code
+"#;
+    let path = bin.join("srun");
+    std::fs::write(&path, srun).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    bin
+}
+
+#[test]
+fn srun_tasks_find_their_ranks_in_slurms_variables_and_a_failed_step_is_run_again() {
+    let dir = tempdir("launch-srun");
+    let bin = fake_srun(&dir);
+    let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap());
+    let local = tempdir("launch-srun-local");
+    Output::of(&mut launch(
+        &local,
+        &["--nproc", "2"],
+        &["checkpoint.every_steps=4"],
+    ))
+    .success();
+    let out = dir.join("runs");
+    let sets = [
+        "checkpoint.every_steps=4",
+        "faults.inject=error",
+        "faults.device=1",
+        "faults.step=10",
+    ];
+    Output::of(
+        launch(&out, &["--srun"], &sets)
+            .env("PATH", path)
+            .env("FAKE_SRUN_TASKS", "2")
+            .env("FAKE_SRUN_JOB", (std::process::id() % 10_000).to_string()),
+    )
+    .success()
+    .stderr_has("rank 1 of 2 (local rank 1 of 2), started by Slurm (srun), rank 0 at localhost:")
+    .stderr_has("rank 1 (cpu) failed at step 10")
+    .stderr_has("restart 1 of 3")
+    .stderr_has("step-000000008");
+    assert_eq!(
+        std::fs::read_to_string(bin.join("steps")).unwrap().trim(),
+        "2"
+    );
+    assert_eq!(
+        summary(&run_dir(&local))["final_test_loss"],
+        summary(&run_dir(&out))["final_test_loss"]
+    );
+}
