@@ -8,7 +8,12 @@
 #      data): 3 finished, 1 failed, results gathered as for local sweeps;
 #   2. --resume submits only the failed trial again;
 #   3. a long trial cancelled mid-run (scancel: Slurm's SIGTERM reaches kiln, which
-#      checkpoints), then --resume: the trial continues from its checkpoint.
+#      checkpoints), then --resume: the trial continues from its checkpoint;
+#   4. a multi-process run as one job of two tasks (`kiln launch --srun` in the batch
+#      script): each task reads its rank from Slurm, rank 1 fails in step 10, the
+#      step ends on both, and a second srun step resumes both from the checkpoint and
+#      finishes with the result of the same run on this machine (`kiln launch
+#      --nproc 2`).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 KILN=$(realpath "${KILN:-target/release/kiln}")
@@ -123,4 +128,17 @@ grep -q '"exit_code":130' "$LONG/trial-000/slurm.json" || fail "the cancelled tr
 cat "$D/4.err"
 grep -q "trial 0 finished" "$D/4.err" || fail "the resumed trial should finish"
 grep -q "kiln: resuming from" "$LONG/trial-000/log.txt" || fail "the trial's log should show it resumed from its checkpoint"
+
+# 4. Two tasks of one job, one GPU-less rank each; rank 1 fails, both restart.
+MP=(--config "$PWD/configs/debug.toml" --set checkpoint.every_steps=4)
+FAULT=(--set faults.inject=error --set faults.device=1 --set faults.step=10)
+"$KILN" launch --nproc 2 "${MP[@]}" --output "$D/mp-local" > /dev/null 2> "$D/5.err" || fail "the local two-process run: $(cat "$D/5.err")"
+sbatch --wait --ntasks=2 --time=10:00 --output="$D/mp.out" --wrap \
+  "$KILN launch --srun ${MP[*]} ${FAULT[*]} --output $D/mp" > /dev/null || fail "the two-task job failed: $(cat "$D/mp.out")"
+cat "$D/mp.out"
+grep -q "rank 1 of 2 (local rank 1 of 2), started by Slurm (srun)" "$D/mp.out" || fail "rank 1 should read its rank from Slurm"
+grep -q "left the run during step 10" "$D/mp.out" || fail "rank 0 should see rank 1 leave in step 10"
+grep -q "restart 1 of 3" "$D/mp.out" || fail "the job should run the step again"
+loss() { grep -o '"final_test_loss": [0-9.e-]*' "$1"/*/summary.json; }
+[ "$(loss "$D/mp")" = "$(loss "$D/mp-local")" ] || fail "the restarted Slurm run ($(loss "$D/mp")) should end as the local run ($(loss "$D/mp-local"))"
 echo "slurm test: passed"
