@@ -48,7 +48,9 @@ def main() -> None:
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    if world > 1:
+    # Under torchrun, DDP even for one process (what its all-reduce costs alone).
+    ddp = "LOCAL_RANK" in os.environ
+    if ddp:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         torch.distributed.init_process_group("nccl")
     torch.manual_seed(0)
@@ -57,7 +59,7 @@ def main() -> None:
     net = build(args.model, args.image_size, classes).to(dev)
     mem_format = torch.channels_last if args.channels_last else torch.contiguous_format
     net = net.to(memory_format=mem_format)
-    if world > 1:
+    if ddp:
         net = nn.parallel.DistributedDataParallel(net, device_ids=[dev.index])
     if args.compile:
         net = torch.compile(net)
@@ -94,7 +96,7 @@ def main() -> None:
         step()
     torch.cuda.synchronize()
     step_s = (time.perf_counter() - t) / args.steps
-    if world > 1:
+    if ddp:
         torch.distributed.destroy_process_group()
     if rank != 0:
         return
@@ -104,6 +106,7 @@ def main() -> None:
         "image_size": args.image_size,
         "batch": args.batch * world,
         "gpus": world,
+        "ddp": ddp,
         "precision": args.precision,
         "channels_last": args.channels_last,
         "compile": args.compile,

@@ -86,14 +86,14 @@ pub fn read_frame(r: &mut impl Read, mut payload: Vec<u8>) -> io::Result<Frame> 
 /// A number the collectives carry.
 pub trait Elem: Copy + std::ops::AddAssign + Default {
     const SIZE: usize;
-    fn put(self, out: &mut Vec<u8>);
+    fn put(self, out: &mut [u8]);
     fn get(bytes: &[u8]) -> Self;
 }
 
 impl Elem for f32 {
     const SIZE: usize = 4;
-    fn put(self, out: &mut Vec<u8>) {
-        out.extend_from_slice(&self.to_le_bytes());
+    fn put(self, out: &mut [u8]) {
+        out.copy_from_slice(&self.to_le_bytes());
     }
     fn get(bytes: &[u8]) -> Self {
         f32::from_le_bytes(bytes.try_into().expect("4 bytes"))
@@ -102,21 +102,24 @@ impl Elem for f32 {
 
 impl Elem for f64 {
     const SIZE: usize = 8;
-    fn put(self, out: &mut Vec<u8>) {
-        out.extend_from_slice(&self.to_le_bytes());
+    fn put(self, out: &mut [u8]) {
+        out.copy_from_slice(&self.to_le_bytes());
     }
     fn get(bytes: &[u8]) -> Self {
         f64::from_le_bytes(bytes.try_into().expect("8 bytes"))
     }
 }
 
-/// Every buffer's numbers, one after the other.
+/// Every buffer's numbers, one after the other. Fixed-size pieces written in place
+/// (not pushed one by one): the compiler turns this into a plain copy on
+/// little-endian machines, which matters at tens of megabytes per step.
 pub fn encode<E: Elem>(bufs: &[&mut [E]], out: &mut Vec<u8>) {
     out.clear();
-    out.reserve(bufs.iter().map(|b| b.len() * E::SIZE).sum());
+    out.resize(bufs.iter().map(|b| b.len() * E::SIZE).sum(), 0);
+    let mut chunks = out.chunks_exact_mut(E::SIZE);
     for b in bufs {
-        for &x in b.iter() {
-            x.put(out);
+        for (&x, c) in b.iter().zip(&mut chunks) {
+            x.put(c);
         }
     }
 }

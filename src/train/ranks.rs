@@ -49,6 +49,9 @@ impl Ranks {
         model: M,
         device: &B::Device,
     ) -> Result<M, DistError> {
+        if self.size() == 1 {
+            return Ok(model);
+        }
         let mut trainable = transfer::snapshot(&model, Part::Trainable, self.buckets);
         let mut stats = transfer::buffers(&model, self.buckets);
         self.group
@@ -72,6 +75,10 @@ impl Ranks {
         stop: bool,
         step: u64,
     ) -> Result<(GradientsParams, bool), DistError> {
+        // Alone, the sum is the gradients themselves: no trip through host memory.
+        if self.size() == 1 {
+            return Ok((grads, stop));
+        }
         let mut host = HostGrads::read::<B, M>(grads, model, self.buckets);
         let flags = self.group.sum_f32(
             &mut host.slices_mut(),
@@ -90,6 +97,9 @@ impl Ranks {
         device: &B::Device,
         step: u64,
     ) -> Result<M, DistError> {
+        if self.size() == 1 {
+            return Ok(model);
+        }
         let mut stats = transfer::buffers(&model, self.buckets);
         let n = self.size() as f32;
         let mut slices = stats.slices_mut();
