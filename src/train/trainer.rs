@@ -532,16 +532,8 @@ pub fn fit<B: TrainBackend>(
 
         // End of epoch: evaluate when due, record, report, checkpoint.
         let totals = sums.map(Sums::totals).unwrap_or((0.0, 0.0, 0));
-        let totals = match ranks.as_mut() {
-            Some(r) => r.sum_totals(totals, &format!("epoch {}'s training metrics", epoch + 1))?,
-            None => totals,
-        };
-        let images = totals.2;
-        let (train_loss, train_acc) = if images > 0 {
-            means(totals)
-        } else {
-            (f64::NAN, f64::NAN)
-        };
+        let during = format!("epoch {}'s training metrics", epoch + 1);
+        let ((train_loss, train_acc), images) = run_means(&mut ranks, totals, &during)?;
         if images > 0 {
             check_finite(train_loss, state.step)?;
         }
@@ -558,15 +550,8 @@ pub fn fit<B: TrainBackend>(
         let every = cfg.train.eval_every_epochs;
         let (test_loss, test_acc) = if last || (every > 0 && (epoch + 1).is_multiple_of(every)) {
             let totals = evaluate_totals::<B::InnerBackend>(&model.valid(), &test, &device)?;
-            let totals = match ranks.as_mut() {
-                Some(r) => r.sum_totals(totals, &format!("epoch {}'s test pass", epoch + 1))?,
-                None => totals,
-            };
-            if totals.2 > 0 {
-                means(totals)
-            } else {
-                (f64::NAN, f64::NAN)
-            }
+            let during = format!("epoch {}'s test pass", epoch + 1);
+            run_means(&mut ranks, totals, &during)?.0
         } else {
             (f64::NAN, f64::NAN)
         };
@@ -830,12 +815,29 @@ pub fn evaluate<B: crate::ops::ModelBackend>(
     loader: &Loader,
     device: &B::Device,
 ) -> Result<(f64, f64), DataError> {
-    let totals = evaluate_totals(model, loader, device)?;
-    Ok(if totals.2 > 0 {
+    Ok(means_or_nan(evaluate_totals(model, loader, device)?))
+}
+
+/// Mean loss and accuracy (NaN without images) of `totals` summed over the ranks of a
+/// multi-process run, and the images they cover.
+fn run_means(
+    ranks: &mut Option<Ranks>,
+    totals: (f64, f64, usize),
+    during: &str,
+) -> Result<((f64, f64), usize), TrainError> {
+    let totals = match ranks.as_mut() {
+        Some(r) => r.sum_totals(totals, during)?,
+        None => totals,
+    };
+    Ok((means_or_nan(totals), totals.2))
+}
+
+fn means_or_nan(totals: (f64, f64, usize)) -> (f64, f64) {
+    if totals.2 > 0 {
         means(totals)
     } else {
         (f64::NAN, f64::NAN)
-    })
+    }
 }
 
 /// `(loss × images, correct, images)` of `model` over every batch of `loader` (a

@@ -483,6 +483,27 @@ fn an_unwritable_checkpoint_stops_training_and_keeps_the_previous_one() {
         .stdout_has("step-000000016");
 }
 
+/// The run dir under `out` once its checkpoint of `step` is complete (60 s at most).
+fn wait_for_checkpoint(out: &Path, step: u64) -> PathBuf {
+    let manifest = format!("checkpoints/step-{step:09}/manifest.json");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        let found = std::fs::read_dir(out)
+            .ok()
+            .and_then(|mut d| d.next())
+            .map(|e| e.unwrap().path())
+            .filter(|r| r.join(&manifest).is_file());
+        if let Some(r) = found {
+            return r;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the run never reached step {step}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
+
 #[test]
 fn a_run_killed_with_sigkill_resumes_and_ends_as_an_uninterrupted_one() {
     let plain = tempdir("kill-plain");
@@ -514,22 +535,7 @@ fn a_run_killed_with_sigkill_resumes_and_ends_as_an_uninterrupted_one() {
         .stderr(std::process::Stdio::null())
         .spawn()
         .unwrap();
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-    let run = loop {
-        let found = std::fs::read_dir(&out)
-            .ok()
-            .and_then(|mut d| d.next())
-            .map(|e| e.unwrap().path())
-            .filter(|r| r.join("checkpoints/step-000000006/manifest.json").is_file());
-        if let Some(r) = found {
-            break r;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the run never reached step 6"
-        );
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    };
+    let run = wait_for_checkpoint(&out, 6);
     std::thread::sleep(std::time::Duration::from_millis(300));
     child.kill().unwrap(); // SIGKILL
     child.wait().unwrap();
@@ -950,22 +956,7 @@ fn a_launched_process_killed_with_sigkill_is_restarted_with_the_others() {
         std::io::Read::read_to_string(&mut stderr, &mut s).unwrap();
         s
     });
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-    let run = loop {
-        let found = std::fs::read_dir(&out)
-            .ok()
-            .and_then(|mut d| d.next())
-            .map(|e| e.unwrap().path())
-            .filter(|r| r.join("checkpoints/step-000000006/manifest.json").is_file());
-        if let Some(r) = found {
-            break r;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the run never reached step 6"
-        );
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    };
+    let run = wait_for_checkpoint(&out, 6);
     std::thread::sleep(std::time::Duration::from_millis(300));
     let ranks: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(run.join("ranks.json")).unwrap()).unwrap();
