@@ -50,7 +50,7 @@ pub struct WarmupArgs {
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub sets: Vec<String>,
     /// Which GPUs, as for `train`.
-    #[arg(long, value_name = "GPUS")]
+    #[arg(long, value_name = "GPUS", value_parser = devices_spec)]
     pub devices: Option<String>,
 }
 
@@ -138,7 +138,7 @@ pub struct TrainArgs {
     pub resume: Option<Option<PathBuf>>,
     /// Which GPUs to use, overriding `devices.use`: `all`, `auto`, or logical indices
     /// like `0,1` (after CUDA_VISIBLE_DEVICES).
-    #[arg(long, value_name = "GPUS")]
+    #[arg(long, value_name = "GPUS", value_parser = devices_spec)]
     pub devices: Option<String>,
     /// Restart a failed run from its latest checkpoint at most this many times (a
     /// failed or hung GPU is left out of the next attempt).
@@ -153,6 +153,21 @@ pub struct TrainArgs {
     /// Set by the supervisor: start a fresh run in this existing directory.
     #[arg(long, hide = true, value_name = "RUN_DIR")]
     pub run_dir: Option<PathBuf>,
+}
+
+/// `--devices X` checked: `all`, `auto` or GPU indices like `0,1`.
+fn devices_spec(spec: &str) -> Result<String, String> {
+    let s = spec.trim();
+    let list_ok = !s.is_empty()
+        && s.split(',')
+            .all(|t| !t.trim().is_empty() && t.trim().bytes().all(|b| b.is_ascii_digit()));
+    if s == "all" || s == "auto" || list_ok {
+        Ok(s.to_string())
+    } else {
+        Err(format!(
+            "expected all, auto or GPU indices such as 0,1 (counted after CUDA_VISIBLE_DEVICES), not {spec:?}"
+        ))
+    }
 }
 
 /// `--devices X` as the `--set` it stands for.
@@ -227,17 +242,17 @@ pub struct BenchArgs {
     /// Steps timed phase by phase (upload, forward, backward, optimizer).
     #[arg(long, default_value_t = 10)]
     pub breakdown_steps: usize,
-    /// Kernel autotuning (`train.autotune`): fast, balanced, extensive or full.
+    /// Kernel autotuning (`kernels.autotune`): fast, balanced, extensive or full.
     #[arg(long)]
     pub autotune: Option<String>,
     /// Arithmetic (`train.precision`): fp32, bf16 or fp16.
     #[arg(long)]
     pub precision: Option<String>,
-    /// Channels-last activations and weights (`train.channels_last = true`).
+    /// Channels-last activations and weights (`kernels.channels_last = true`).
     #[arg(long)]
     pub channels_last: bool,
     /// Which GPUs (`devices.use`): `all`, `auto`, or logical indices like `0,1`.
-    #[arg(long, value_name = "GPUS")]
+    #[arg(long, value_name = "GPUS", value_parser = devices_spec)]
     pub devices: Option<String>,
     /// Print one JSON object instead of a table.
     #[arg(long)]

@@ -2,10 +2,11 @@
 
 mod cli;
 mod cmd;
+mod collective;
 mod config;
+mod console;
 mod data;
 mod device;
-mod dist;
 mod exit;
 mod model;
 mod ops;
@@ -39,7 +40,7 @@ fn main() -> ExitCode {
     match cmd::run(cli) {
         Ok(code) => code,
         Err(err) => {
-            eprintln!("kiln: error: {err:#}");
+            crate::say!("kiln: error: {err:#}");
             exit::code_for(&err)
         }
     }

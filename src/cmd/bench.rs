@@ -42,30 +42,30 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         sets.push(crate::cli::devices_override(spec));
     }
     if let Some(level) = &args.autotune {
-        sets.push(format!("train.autotune={level}"));
+        sets.push(format!("kernels.autotune={level}"));
     }
     if let Some(precision) = &args.precision {
         sets.push(format!("train.precision={precision}"));
     }
     if args.channels_last {
-        sets.push("train.channels_last=true".into());
+        sets.push("kernels.channels_last=true".into());
     }
     let config: Config = match &args.config {
         Some(path) => config::load(path, &sets)?,
         None => config::load_str(BASE, "kiln bench defaults", &sets)?,
     };
-    let plan = super::plan_devices(&config.devices)?;
+    let plan = super::setup::plan_devices(&config.devices)?;
     // --batch is per device, as in the PyTorch DDP reference.
     let devices = plan.device_names().len();
     let mut config = config;
     config.train.batch_size = args.batch * devices;
     config.data.synthetic_train_size = args.batch * devices;
     let dataset = crate::data::open(&config.data, config.train.seed)?;
-    let kernels = super::kernel_settings(&config, &plan)?;
+    let kernels = super::setup::kernel_settings(&config, &plan)?;
     let report = with_training_backend(
         &plan,
         &kernels,
-        config.train.gradient_checkpointing,
+        config.kernels.gradient_checkpointing,
         BenchJob {
             config: config.clone(),
             device_names: plan.device_names(),
@@ -85,39 +85,43 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         let mut doc = serde_json::to_value(&report)?;
         doc["device"] = device.into();
         doc["memory_in_use_mib"] = memory.into();
-        doc["autotune"] = format!("{:?}", config.train.autotune).to_lowercase().into();
-        doc["precision"] = precision.into();
-        doc["convolution"] = format!("{:?}", config.train.convolution)
+        doc["autotune"] = format!("{:?}", config.kernels.autotune)
             .to_lowercase()
             .into();
-        doc["batch_norm"] = format!("{:?}", config.train.batch_norm)
+        doc["precision"] = precision.into();
+        doc["convolution"] = format!("{:?}", config.kernels.convolution)
+            .to_lowercase()
+            .into();
+        doc["batch_norm"] = format!("{:?}", config.kernels.batch_norm)
             .to_lowercase()
             .into();
         doc["pin_memory"] = config.data.pin_memory.into();
-        doc["channels_last"] = config.train.channels_last.into();
-        println!("{}", serde_json::to_string(&doc)?);
+        doc["channels_last"] = config.kernels.channels_last.into();
+        crate::out!("{}", serde_json::to_string(&doc)?);
     } else {
-        if config.train.channels_last {
+        if config.kernels.channels_last {
             precision.push_str(", channels-last");
         }
-        println!(
+        crate::out!(
             "kiln bench: {} {}px batch {} ({} per device), {precision}, on {device}",
             report.model,
             report.image_size,
             report.batch,
             report.batch / report.devices.max(1)
         );
-        println!(
+        crate::out!(
             "  first step        {:>9.2} s   (second {:.2} s)",
-            report.first_step_s, report.second_step_s
+            report.first_step_s,
+            report.second_step_s
         );
-        println!(
+        crate::out!(
             "  step              {:>9.2} ms  over {} steps",
-            report.step_ms, report.steps
+            report.step_ms,
+            report.steps
         );
-        println!("  throughput        {:>9.0} img/s", report.img_per_s);
+        crate::out!("  throughput        {:>9.0} img/s", report.img_per_s);
         if let Some(b) = &report.breakdown {
-            println!(
+            crate::out!(
                 "  synced phases     upload {:.2} (host {:.2}) | forward {:.2} | backward {:.2} | optimizer {:.2} = {:.2} ms",
                 b.upload_ms,
                 b.upload_host_ms,
@@ -129,7 +133,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         }
         let w = &report.waits;
         if w.round_trips + w.queued > 0.0 {
-            println!(
+            crate::out!(
                 "  kiln's waits      {:.0} round trips to cubecl's device thread, {:.2} ms per step summed over threads, {:.0} calls queued without one ({:.2} ms of kiln's work there, of which library calls {:.2} ms, stream ordering {:.2} ms; host waits for a stream: {:.0}, {:.2} ms)",
                 w.round_trips,
                 w.round_trip_ms,
@@ -147,13 +151,13 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
                 .iter()
                 .map(|ms| format!("{ms:.2}"))
                 .collect();
-            println!(
+            crate::out!(
                 "  busy per device   {} ms per step (the rest: the main thread's serial part)",
                 busy.join(" | ")
             );
         }
         if let Some(mib) = memory {
-            println!("  device memory in use at the end: {mib} MiB (all processes)");
+            crate::out!("  device memory in use at the end: {mib} MiB (all processes)");
         }
     }
     Ok(ExitCode::SUCCESS)

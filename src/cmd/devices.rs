@@ -54,32 +54,42 @@ pub fn run(args: DevicesArgs) -> anyhow::Result<ExitCode> {
                 Err(e) => serde_json::json!({ "error": e.to_string() }),
             };
         }
-        println!("{}", serde_json::to_string_pretty(&doc)?);
+        crate::out!("{}", serde_json::to_string_pretty(&doc)?);
         return Ok(ExitCode::SUCCESS);
     }
 
-    println!("{}", env.source());
+    crate::out!("{}", env.source());
     for (name, value) in &env.typos {
-        println!("warning: {name}={value:?} is set, but CUDA reads CUDA_VISIBLE_DEVICES");
+        crate::out!("warning: {name}={value:?} is set, but CUDA reads CUDA_VISIBLE_DEVICES");
     }
     for w in &warnings {
-        println!("warning: {w}");
+        crate::out!("warning: {w}");
     }
     match &inv.probe {
         Probe::NotBuilt => {
-            println!("this kiln was built without the `cuda` feature; training runs on the CPU")
+            crate::out!("this kiln was built without the `cuda` feature; training runs on the CPU")
         }
-        Probe::NoDriver(why) => println!("no usable CUDA driver: {why}; training runs on the CPU"),
+        Probe::NoDriver(why) => {
+            crate::out!("no usable CUDA driver: {why}; training runs on the CPU")
+        }
         Probe::Gpus(gpus) if gpus.is_empty() => match &env.visible {
-            Some(v) => println!(
+            Some(v) => crate::out!(
                 "no GPU is visible under CUDA_VISIBLE_DEVICES={v:?}; training runs on the CPU"
             ),
-            None => println!("the driver shows no GPU to this process; training runs on the CPU"),
+            None => {
+                crate::out!("the driver shows no GPU to this process; training runs on the CPU")
+            }
         },
         Probe::Gpus(gpus) => {
-            println!(
+            crate::out!(
                 "{:<5} {:<8} {:<22} {:<17} {:>19} {:>5}  {:<4} uuid / processes",
-                "cuda", "physical", "name", "pci bus", "free / total MiB", "util", "cc"
+                "cuda",
+                "physical",
+                "name",
+                "pci bus",
+                "free / total MiB",
+                "util",
+                "cc"
             );
             for g in gpus {
                 let (phys, mem, util, procs) = match &g.physical {
@@ -102,7 +112,7 @@ pub fn run(args: DevicesArgs) -> anyhow::Result<ExitCode> {
                         String::new(),
                     ),
                 };
-                println!(
+                crate::out!(
                     "{:<5} {:<8} {:<22} {:<17} {:>19} {:>5}  {}.{}  {} {}",
                     g.ordinal,
                     phys,
@@ -132,28 +142,28 @@ pub fn run(args: DevicesArgs) -> anyhow::Result<ExitCode> {
                 .map(|p| format!("{} ({}, {})", p.index, p.name, p.pci_bus_id))
                 .collect();
             if !hidden.is_empty() {
-                println!(
+                crate::out!(
                     "not visible to this process (NVML): physical GPU {}",
                     hidden.join(", ")
                 );
             }
             for (a, b, link) in &snap.links {
-                println!("link: physical GPU {a} <-> {b}: {link:?}");
+                crate::out!("link: physical GPU {a} <-> {b}: {link:?}");
             }
         }
-        Err(e) => println!("NVML: {e} (physical indices, free memory and processes unknown)"),
+        Err(e) => crate::out!("NVML: {e} (physical indices, free memory and processes unknown)"),
     }
     if let Some(p) = planned {
         match p {
             Ok((plan, notes)) => {
                 for n in notes {
-                    println!("warning: {n}");
+                    crate::out!("warning: {n}");
                 }
-                println!("this config would use: {}", plan.describe());
+                crate::out!("this config would use: {}", plan.describe());
             }
-            Err(e) => println!("this config cannot run: {e}"),
+            Err(e) => crate::out!("this config cannot run: {e}"),
         }
     }
-    println!("kernel cache: {}", cache.display());
+    crate::out!("kernel cache: {}", cache.display());
     Ok(ExitCode::SUCCESS)
 }

@@ -19,7 +19,7 @@ pub fn run(args: EvalArgs) -> anyhow::Result<ExitCode> {
     }
     let config = config::load(&config_path, &[])?;
     let (checkpoint, state) = pick_checkpoint(&args.run, args.checkpoint == Which::Best)?;
-    let plan = super::plan_devices(&config.devices)?;
+    let plan = super::setup::plan_devices(&config.devices)?;
     let dataset = crate::data::open(&config.data, config.train.seed)?;
     if dataset.classes != state.classes {
         return Err(UsageError(format!(
@@ -37,7 +37,7 @@ pub fn run(args: EvalArgs) -> anyhow::Result<ExitCode> {
     );
     let images = loader.num_images();
     let step = state.step;
-    let kernels = super::kernel_settings(&config, &plan)?;
+    let kernels = super::setup::kernel_settings(&config, &plan)?;
     let (loss, acc) = with_backend(
         &plan,
         &kernels,
@@ -47,7 +47,7 @@ pub fn run(args: EvalArgs) -> anyhow::Result<ExitCode> {
             loader,
         },
     )?;
-    println!(
+    crate::out!(
         "{} split: loss {loss:.4}, accuracy {:.2}% ({images} images; {} at step {step})",
         match args.split {
             Split::Train => "train",

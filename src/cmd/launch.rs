@@ -10,21 +10,23 @@
 use std::io::{BufRead, BufReader, IsTerminal, Write};
 use std::path::Path;
 use std::process::{Child, Command, ExitCode, Stdio};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
 
+use super::setup::{plan_devices, resolve_train};
 use crate::cli::{LaunchArgs, TrainArgs};
 use crate::device::DevicePlan;
 use crate::device::world::{
     LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE,
 };
 use crate::exit::UsageError;
-use crate::run::failure::{RankProcess, UsedDevice, take_failure, write_ranks};
-use crate::run::ranks::{Exit, attempt_code, process_count};
-use crate::run::supervisor::{Decision, decide};
+use crate::run::failure::{RankProcess, UsedDevice, write_ranks};
+use crate::run::launch_exits::{Exit, attempt_code, process_count};
+use crate::run::restart::{Ended, run_attempts};
+use crate::run::run_dir::{self, LOG_FILE};
+use crate::run::signals::Signals;
 
 /// After the first process of an attempt fails, how long the others get to notice
 /// (they normally do at once: their link to it closed) before they are killed.
@@ -39,23 +41,12 @@ pub fn run(args: LaunchArgs) -> anyhow::Result<ExitCode> {
         .into());
     }
     // Mistakes in the config end here, before any process starts; every attempt and
-    // every rank shares one run dir.
-    let (resume_dir, config, name, _notes) = super::train::resolve(train)?;
-    let run_dir = match &resume_dir {
-        Some(dir) => dir.clone(),
-        None => super::train::create_run_dir(&train.output, &name)?,
-    };
-    // Interrupts reach the processes too (one process group); they agree on a step,
-    // checkpoint and exit 130, and nothing is restarted.
-    let interrupted = Arc::new(AtomicBool::new(false));
-    let flag = interrupted.clone();
-    let _ = ctrlc::set_handler(move || flag.store(true, Ordering::SeqCst));
-    let exe = std::env::current_exe().context("finding the kiln executable to start training")?;
-
-    let mut used = if args.srun {
+    // every rank shares one run dir, which the launcher owns.
+    let resolved = resolve_train(train)?;
+    let configured = if args.srun {
         Vec::new()
     } else {
-        let gpus = match super::plan_devices(&config.devices)? {
+        let gpus = match plan_devices(&resolved.config.devices)? {
             DevicePlan::Cuda { gpus, .. } => Some(
                 gpus.iter()
                     .map(|g| UsedDevice {
@@ -78,41 +69,40 @@ pub fn run(args: LaunchArgs) -> anyhow::Result<ExitCode> {
             ],
         }
     };
-
-    for attempt in 0.. {
-        let code = if args.srun {
-            srun_attempt(&exe, &args, &run_dir)?
-        } else {
-            local_attempt(&exe, &args, &run_dir, &used, &interrupted)?
-        };
-        if interrupted.load(Ordering::SeqCst) {
-            return Ok(exit_code(code.unwrap_or(130)));
-        }
-        let failure = take_failure(&run_dir);
-        match decide(code, failure.as_ref(), &used, attempt, train.max_restarts) {
-            Decision::Finish(code) => {
-                if code != 0 && attempt >= train.max_restarts && matches!(code, 75 | 101) {
-                    eprintln!(
-                        "kiln: launch: giving up after {attempt} restart(s) (--max-restarts {})",
-                        train.max_restarts
-                    );
-                }
-                return Ok(exit_code(code));
-            }
-            Decision::Restart { devices, why } => {
-                eprintln!(
-                    "kiln: launch: {why} (restart {} of {}, every process from the latest checkpoint in {})",
-                    attempt + 1,
-                    train.max_restarts,
-                    run_dir.display()
-                );
-                if let Some(devices) = devices {
-                    used = devices;
-                }
-            }
-        }
+    let run_dir = match &resolved.resume_dir {
+        Some(dir) => dir.clone(),
+        None => run_dir::create(&train.output, &resolved.name)?,
+    };
+    let (lock, note) = run_dir::lock(&run_dir)?;
+    if let Some(n) = note {
+        crate::say!("kiln: note: {n}");
     }
-    unreachable!("the loop returns")
+    let signals = Signals::for_supervisor();
+    let _ = crate::console::log_to(&run_dir.join(LOG_FILE));
+    let exe = std::env::current_exe().context("finding the kiln executable to start training")?;
+
+    let code = run_attempts(
+        "launch",
+        &run_dir,
+        train.max_restarts,
+        signals.interrupted(),
+        |survivors| -> anyhow::Result<Ended> {
+            let used = survivors.map_or_else(|| configured.clone(), <[UsedDevice]>::to_vec);
+            let code = if args.srun {
+                srun_attempt(&exe, &args, &run_dir, &signals)?
+            } else {
+                local_attempt(&exe, &args, &run_dir, &used, &signals)?
+            };
+            Ok(Ended { code, used })
+        },
+    )?;
+    // A run that never got to train (a usage, config or data error, no usable GPU)
+    // leaves no empty run dir behind; anything it wrote beyond its start keeps it.
+    if matches!(code, 2 | 75) && resolved.resume_dir.is_none() {
+        drop(lock);
+        run_dir::discard_unstarted(&run_dir);
+    }
+    Ok(super::supervise::exit_code(code))
 }
 
 /// `kiln train` for one attempt: the run dir to start or resume, and the user's config.
@@ -125,7 +115,7 @@ fn train_command(exe: &Path, train: &TrainArgs, run_dir: &Path) -> Command {
     for s in &train.sets {
         cmd.arg("--set").arg(s);
     }
-    if run_dir.join("checkpoints").join("latest").is_file() {
+    if run_dir::has_checkpoint(run_dir) {
         cmd.arg("--resume").arg(run_dir);
     } else {
         cmd.arg("--run-dir").arg(run_dir);
@@ -139,14 +129,14 @@ fn local_attempt(
     args: &LaunchArgs,
     run_dir: &Path,
     used: &[UsedDevice],
-    interrupted: &AtomicBool,
+    signals: &Signals,
 ) -> anyhow::Result<Option<i32>> {
     let port = match args.port {
         Some(p) => p,
         None => free_port().context("finding a free TCP port for rank 0")?,
     };
     let n = used.len();
-    eprintln!(
+    crate::say!(
         "kiln: launch: {n} process(es), rank 0 listening on port {port}: {}",
         used.iter()
             .enumerate()
@@ -176,7 +166,7 @@ fn local_attempt(
         if rank > 0 || !std::io::stderr().is_terminal() {
             cmd.stderr(Stdio::piped());
         }
-        let mut child = match cmd.spawn() {
+        let mut child = match signals.spawn(&mut cmd) {
             Ok(c) => c,
             Err(e) => {
                 stop(&mut children);
@@ -206,18 +196,18 @@ fn local_attempt(
         })
         .collect();
     if let Err(e) = write_ranks(run_dir, &record) {
-        eprintln!(
+        crate::say!(
             "kiln: warning: cannot record the processes in {}: {e}",
             run_dir.display()
         );
     }
-    let exits = watch(children, interrupted);
+    let exits = watch(children, signals);
     for e in echoes {
         let _ = e.join();
     }
     for (rank, code) in &exits {
         if *code != Some(0) {
-            eprintln!(
+            crate::say!(
                 "kiln: launch: rank {rank} ({}) {}",
                 used[*rank].name,
                 match code {
@@ -232,17 +222,19 @@ fn local_attempt(
 
 /// Waits for every process; once one has failed, the rest get [`GRACE`] to end on
 /// their own, then are killed.
-fn watch(mut running: Vec<(usize, Child)>, interrupted: &AtomicBool) -> Vec<Exit> {
+fn watch(mut running: Vec<(usize, Child)>, signals: &Signals) -> Vec<Exit> {
     let mut exits: Vec<Exit> = Vec::new();
     let mut failed_at: Option<Instant> = None;
     while !running.is_empty() {
         running.retain_mut(|(rank, child)| match child.try_wait() {
             Ok(None) => true,
             Ok(Some(status)) => {
+                signals.forget(child.id());
                 exits.push((*rank, status.code()));
                 false
             }
             Err(_) => {
+                signals.forget(child.id());
                 exits.push((*rank, None));
                 false
             }
@@ -251,11 +243,11 @@ fn watch(mut running: Vec<(usize, Child)>, interrupted: &AtomicBool) -> Vec<Exit
             failed_at = Some(Instant::now());
         }
         // An interrupt gives the processes the same grace to checkpoint.
-        if failed_at.is_none() && interrupted.load(Ordering::SeqCst) {
+        if failed_at.is_none() && signals.interrupted().load(Ordering::SeqCst) {
             failed_at = Some(Instant::now());
         }
         if failed_at.is_some_and(|t| t.elapsed() > GRACE) && !running.is_empty() {
-            eprintln!(
+            crate::say!(
                 "kiln: launch: stopping rank(s) {} still running {} s after the first failure",
                 running
                     .iter()
@@ -284,18 +276,23 @@ fn stop(children: &mut [(usize, Child)]) {
 /// One `srun` step of the allocation's tasks; each task reads its rank from Slurm.
 /// srun ends the step when a task fails (`--kill-on-bad-exit`) and exits with the
 /// failing task's code (128 + the signal for one killed by a signal).
-fn srun_attempt(exe: &Path, args: &LaunchArgs, run_dir: &Path) -> anyhow::Result<Option<i32>> {
+fn srun_attempt(
+    exe: &Path,
+    args: &LaunchArgs,
+    run_dir: &Path,
+    signals: &Signals,
+) -> anyhow::Result<Option<i32>> {
     let train = train_command(exe, &args.train, run_dir);
     let mut cmd = Command::new("srun");
     cmd.arg("--kill-on-bad-exit=1").args(&args.srun_args);
     cmd.arg(train.get_program()).args(train.get_args());
-    eprintln!("kiln: launch: srun step for {}", run_dir.display());
-    let status = cmd.status().map_err(|e| {
+    crate::say!("kiln: launch: srun step for {}", run_dir.display());
+    let child = signals.spawn(&mut cmd).map_err(|e| {
         UsageError(format!(
             "kiln launch --srun cannot start srun ({e}); run it inside a Slurm allocation (sbatch or salloc) on a node with Slurm's client"
         ))
     })?;
-    Ok(match status.code() {
+    Ok(match signals.wait(child)? {
         // A task killed by a signal: as the local launcher reports one.
         Some(c) if c > 128 && c != 130 => None,
         c => c,
@@ -306,8 +303,4 @@ fn free_port() -> std::io::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
         .port())
-}
-
-fn exit_code(code: i32) -> ExitCode {
-    ExitCode::from(u8::try_from(code).unwrap_or(1))
 }

@@ -3,7 +3,6 @@
 
 use std::path::Path;
 use std::process::ExitCode;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::Context;
@@ -14,8 +13,9 @@ use crate::cli::{Launcher, SweepArgs};
 use crate::config::{BackendChoice, DevicesConfig};
 use crate::device::{DevicePlan, GpuInfo};
 use crate::exit::{INTERRUPTED, UsageError};
+use crate::run::signals::Signals;
 use crate::sweep::results;
-use crate::sweep::schedule::{self, Outcome, Placement, Plan};
+use crate::sweep::runner::{self, Outcome, Placement, Plan};
 use crate::sweep::slurm;
 use crate::sweep::spec::SlurmSpec;
 use crate::sweep::{SweepSpec, Trial};
@@ -63,7 +63,7 @@ pub fn run(args: SweepArgs) -> anyhow::Result<ExitCode> {
                 .file_stem()
                 .map(|s| s.to_string_lossy().into_owned())
                 .unwrap_or_else(|| "sweep".into());
-            let dir = super::train::create_run_dir(&args.output, &name)?;
+            let dir = crate::run::run_dir::create(&args.output, &name)?;
             std::fs::write(dir.join(SPEC), serde_json::to_string_pretty(&spec)?)
                 .with_context(|| format!("writing {}", dir.join(SPEC).display()))?;
             (spec, dir)
@@ -91,16 +91,20 @@ pub fn run(args: SweepArgs) -> anyhow::Result<ExitCode> {
     if let Some(index) = args.trial {
         return run_element(&spec, &sweep_dir, index);
     }
-    let interrupt = Arc::new(AtomicBool::new(false));
-    let flag = interrupt.clone();
-    // Children get the signal too (same process group) and checkpoint; the sweep
-    // starts no new trial and writes what it has.
-    let _ = ctrlc::set_handler(move || flag.store(true, Ordering::SeqCst));
+    // One sweep process per sweep folder (its trials run under it).
+    let (_lock, note) = crate::run::run_dir::lock(&sweep_dir)?;
+    if let Some(n) = note {
+        crate::say!("kiln sweep: note: {n}");
+    }
+    // Trials get every signal this process gets and checkpoint; the sweep starts no
+    // new trial and writes what it has.
+    let signals = Signals::for_supervisor();
+    let interrupt = signals.interrupted();
     let exe = std::env::current_exe().context("finding the kiln executable")?;
     let trials = spec.trials();
     let started = std::time::Instant::now();
     let outcomes = match launcher {
-        Launcher::Local => run_local(&spec, &sweep_dir, &exe, &trials, interrupt.clone())?,
+        Launcher::Local => run_local(&spec, &sweep_dir, &exe, &trials, &signals)?,
         Launcher::Slurm => {
             let options = SlurmSpec {
                 partition: args.partition.clone().or(spec.slurm.partition.clone()),
@@ -109,7 +113,7 @@ pub fn run(args: SweepArgs) -> anyhow::Result<ExitCode> {
                 sbatch_args: spec.slurm.sbatch_args.clone(),
             };
             let wait = !args.no_wait;
-            match run_slurm(&spec, &options, &sweep_dir, &exe, &trials, wait, &interrupt)? {
+            match run_slurm(&spec, &options, &sweep_dir, &exe, &trials, wait, interrupt)? {
                 Some(outcomes) => outcomes,
                 // Submitted without waiting.
                 None => return Ok(ExitCode::SUCCESS),
@@ -117,7 +121,7 @@ pub fn run(args: SweepArgs) -> anyhow::Result<ExitCode> {
         }
     };
     write_results(&spec, &sweep_dir, &trials, &outcomes)?;
-    eprintln!(
+    crate::say!(
         "kiln sweep: {} of {} trials finished in {:.0} s",
         outcomes.iter().filter(|o| o.status == "finished").count(),
         trials.len(),
@@ -128,7 +132,7 @@ pub fn run(args: SweepArgs) -> anyhow::Result<ExitCode> {
             Launcher::Local => "",
             Launcher::Slurm => " --launcher slurm (it waits for the trials still in Slurm's queue)",
         };
-        eprintln!(
+        crate::say!(
             "kiln sweep: interrupted; continue with kiln sweep --resume {}{more}",
             sweep_dir.display()
         );
@@ -147,16 +151,16 @@ fn run_local(
     sweep_dir: &Path,
     exe: &Path,
     trials: &[Trial],
-    interrupt: Arc<AtomicBool>,
+    signals: &Signals,
 ) -> anyhow::Result<Vec<Outcome>> {
-    let slots = schedule::slots(
+    let slots = runner::slots(
         &visible_gpus()?,
         spec.gpus_per_trial,
         spec.max_parallel,
         cpu_slots(),
     )
     .map_err(UsageError)?;
-    eprintln!(
+    crate::say!(
         "kiln sweep: {} trials in {}, {} at a time on {}",
         trials.len(),
         sweep_dir.display(),
@@ -173,10 +177,9 @@ fn run_local(
         sweep_dir,
         exe,
         slots: &slots,
-        interrupt,
+        signals,
     };
-    schedule::run(&plan, trials)
-        .with_context(|| format!("running trials in {}", sweep_dir.display()))
+    runner::run(&plan, trials).with_context(|| format!("running trials in {}", sweep_dir.display()))
 }
 
 /// Submits the trials that are neither finished nor in Slurm's queue as one job
@@ -201,11 +204,11 @@ fn run_slurm(
     let mut outcomes: Vec<Option<Outcome>> = vec![None; trials.len()];
     let mut submit = Vec::new();
     for t in trials {
-        if let Some(o) = schedule::finished_earlier(sweep_dir, t, metric) {
-            eprintln!("kiln sweep: trial {} finished earlier, skipped", t.index);
+        if let Some(o) = runner::finished_earlier(sweep_dir, t, metric) {
+            crate::say!("kiln sweep: trial {} finished earlier, skipped", t.index);
             outcomes[t.index] = Some(o);
         } else if queued.contains(&t.index) {
-            eprintln!("kiln sweep: trial {} is still in Slurm's queue", t.index);
+            crate::say!("kiln sweep: trial {} is still in Slurm's queue", t.index);
         } else {
             submit.push(t.index);
         }
@@ -213,7 +216,7 @@ fn run_slurm(
     if !submit.is_empty() {
         for &i in &submit {
             // A record from an earlier submission would read as this one's ending.
-            let _ = std::fs::remove_file(schedule::trial_dir(sweep_dir, i).join(slurm::RECORD));
+            let _ = std::fs::remove_file(runner::trial_dir(sweep_dir, i).join(slurm::RECORD));
         }
         let script = slurm::batch_script(&slurm::Batch {
             name: &name,
@@ -230,7 +233,7 @@ fn run_slurm(
         std::fs::create_dir_all(path.parent().expect("has a parent"))?;
         std::fs::write(&path, script).with_context(|| format!("writing {}", path.display()))?;
         let id = slurm::submit(&path).map_err(UsageError)?;
-        eprintln!(
+        crate::say!(
             "kiln sweep: submitted {} trial(s) ({}) as Slurm job array {id} ({}); squeue -j {id} shows them, scancel {id} stops them",
             submit.len(),
             slurm::array_list(&submit),
@@ -244,7 +247,7 @@ fn run_slurm(
             .with_context(|| format!("recording the job in {}", sweep_dir.display()))?;
     }
     if !wait {
-        eprintln!(
+        crate::say!(
             "kiln sweep: not waiting; kiln sweep --resume {} waits for the jobs and gathers the results",
             sweep_dir.display()
         );
@@ -265,15 +268,15 @@ fn run_slurm(
             waiting.remove(&i);
             let o = element_outcome(sweep_dir, &trials[i], metric);
             let done = total - waiting.len();
-            eprintln!(
+            crate::say!(
                 "{}",
-                schedule::ended_line(&o, metric, &format!(" [{done}/{total}]"))
+                runner::ended_line(&o, metric, &format!(" [{done}/{total}]"))
             );
             outcomes[i] = Some(o);
         }
         if last_status.elapsed().as_secs() >= 60 && !waiting.is_empty() {
             last_status = std::time::Instant::now();
-            eprintln!(
+            crate::say!(
                 "kiln sweep: {}/{total} trials done, {} queued or running in Slurm ({name})",
                 total - waiting.len(),
                 waiting.len(),
@@ -294,7 +297,7 @@ fn run_slurm(
         }
     }
     if !waiting.is_empty() {
-        eprintln!(
+        crate::say!(
             "kiln sweep: {} trial(s) stay in Slurm's queue ({name}, jobs {}); scancel stops them",
             waiting.len(),
             jobs.iter()
@@ -307,7 +310,7 @@ fn run_slurm(
         outcomes
             .into_iter()
             .enumerate()
-            .map(|(i, o)| o.unwrap_or_else(|| schedule::not_run(i)))
+            .map(|(i, o)| o.unwrap_or_else(|| runner::not_run(i)))
             .collect(),
     ))
 }
@@ -316,7 +319,7 @@ fn run_slurm(
 /// (the element was killed, or shared storage has not shown the file yet, so it is
 /// read again after 5 s) the trial's own `summary.json` decides.
 fn element_outcome(sweep_dir: &Path, trial: &Trial, metric: &str) -> Outcome {
-    let path = schedule::trial_dir(sweep_dir, trial.index).join(slurm::RECORD);
+    let path = runner::trial_dir(sweep_dir, trial.index).join(slurm::RECORD);
     let read = || {
         std::fs::read_to_string(&path)
             .ok()
@@ -327,11 +330,11 @@ fn element_outcome(sweep_dir: &Path, trial: &Trial, metric: &str) -> Outcome {
         read()
     });
     match record {
-        Some(r) => schedule::ended(sweep_dir, trial, metric, r.exit_code, r.place, r.wall_s),
+        Some(r) => runner::ended(sweep_dir, trial, metric, r.exit_code, r.place, r.wall_s),
         None => {
-            let finished = schedule::finished_earlier(sweep_dir, trial, metric).is_some();
+            let finished = runner::finished_earlier(sweep_dir, trial, metric).is_some();
             let place = "Slurm (no record: cancelled or killed?)".to_string();
-            schedule::ended(sweep_dir, trial, metric, finished.then_some(0), place, 0.0)
+            runner::ended(sweep_dir, trial, metric, finished.then_some(0), place, 0.0)
         }
     }
 }
@@ -348,14 +351,14 @@ fn run_element(spec: &SweepSpec, sweep_dir: &Path, index: usize) -> anyhow::Resu
     })?;
     // Slurm signals the whole step when it cancels or times out the element: the
     // trial checkpoints and exits, and this process stays to record that.
-    let _ = ctrlc::set_handler(|| {});
+    let _signals = Signals::for_supervisor();
     let exe = std::env::current_exe().context("finding the kiln executable")?;
     let placement = match spec.gpus_per_trial {
         0 => Placement::Cpu,
         _ => Placement::Gpus(None),
     };
     let started = std::time::Instant::now();
-    let status = schedule::train_command(spec, &spec.base, sweep_dir, &exe, trial, placement)
+    let status = runner::train_command(spec, &spec.base, sweep_dir, &exe, trial, placement)
         .and_then(|mut c| c.status())
         .with_context(|| format!("starting trial {index}"))?;
     let env = |k: &str| std::env::var(k).unwrap_or_default();
@@ -369,7 +372,7 @@ fn run_element(spec: &SweepSpec, sweep_dir: &Path, index: usize) -> anyhow::Resu
             env("SLURM_ARRAY_TASK_ID")
         ),
     };
-    let path = schedule::trial_dir(sweep_dir, index).join(slurm::RECORD);
+    let path = runner::trial_dir(sweep_dir, index).join(slurm::RECORD);
     std::fs::write(&path, serde_json::to_string(&record)?)
         .with_context(|| format!("writing {}", path.display()))?;
     Ok(ExitCode::from(
@@ -381,20 +384,17 @@ fn write_results(
     spec: &SweepSpec,
     dir: &Path,
     trials: &[Trial],
-    outcomes: &[schedule::Outcome],
+    outcomes: &[runner::Outcome],
 ) -> anyhow::Result<()> {
     let csv = dir.join("results.csv");
     results::write_csv(&csv, spec, trials, outcomes)
         .with_context(|| format!("writing {}", csv.display()))?;
-    print!("{}", results::table(spec, trials, outcomes));
+    crate::out!("{}", results::table(spec, trials, outcomes).trim_end());
     let plot = dir.join("metric.png");
     if let Err(e) = results::write_plot(&plot, spec, trials, outcomes) {
-        eprintln!("kiln sweep: warning: no plot: {e}");
+        crate::say!("kiln sweep: warning: no plot: {e}");
     }
-    let best = results::ranking(outcomes, spec.goal)
-        .first()
-        .copied()
-        .filter(|&i| outcomes[i].metric.is_some());
+    let best = results::best(outcomes, spec.goal);
     if let Some(i) = best
         && let Some(run) = &outcomes[i].run_dir
     {
@@ -407,9 +407,9 @@ fn write_results(
             to.display()
         );
         std::fs::write(&to, text).with_context(|| format!("writing {}", to.display()))?;
-        println!("best: trial {i}, config in {}", to.display());
+        crate::out!("best: trial {i}, config in {}", to.display());
     }
-    println!("results: {}", csv.display());
+    crate::out!("results: {}", csv.display());
     Ok(())
 }
 
@@ -419,7 +419,7 @@ fn visible_gpus() -> anyhow::Result<Vec<(usize, String)>> {
         backend: BackendChoice::Auto,
         ..DevicesConfig::default()
     };
-    Ok(match super::plan_devices(&cfg)? {
+    Ok(match super::setup::plan_devices(&cfg)? {
         DevicePlan::Cuda { gpus, .. } => gpus.iter().map(slot_gpu).collect(),
         DevicePlan::Cpu { .. } => Vec::new(),
     })

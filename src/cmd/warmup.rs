@@ -15,13 +15,13 @@ pub fn run(args: WarmupArgs) -> anyhow::Result<ExitCode> {
         sets.push(crate::cli::devices_override(spec));
     }
     let config = config::load(&args.config, &sets)?;
-    let plan = super::plan_devices(&config.devices)?;
+    let plan = super::setup::plan_devices(&config.devices)?;
     if let DevicePlan::Cpu { .. } = plan {
-        eprintln!("kiln warmup: the CPU backend compiles nothing ahead: nothing to warm up");
+        crate::say!("kiln warmup: the CPU backend compiles nothing ahead: nothing to warm up");
         return Ok(ExitCode::SUCCESS);
     }
     let dataset = crate::data::open(&config.data, config.train.seed)?;
-    let kernels = super::kernel_settings(&config, &plan)?;
+    let kernels = super::setup::kernel_settings(&config, &plan)?;
     let ticker = Ticker::start(
         "warmup: compiling kernels and autotuning".into(),
         kernels.cache_dir.clone(),
@@ -29,7 +29,7 @@ pub fn run(args: WarmupArgs) -> anyhow::Result<ExitCode> {
     let report = with_training_backend(
         &plan,
         &kernels,
-        config.train.gradient_checkpointing,
+        config.kernels.gradient_checkpointing,
         WarmupJob {
             config: config.clone(),
             dataset,
@@ -37,7 +37,7 @@ pub fn run(args: WarmupArgs) -> anyhow::Result<ExitCode> {
         },
     )?;
     drop(ticker);
-    println!(
+    crate::out!(
         "kiln warmup: training step {:.1} s, test pass {:.1} s; caches in {}",
         report.train_step_s,
         report.eval_s,

@@ -35,3 +35,28 @@ pub enum ConfigError {
         allowed: String,
     },
 }
+
+impl ConfigError {
+    /// `key = value` is out of range; `allowed` says what would be accepted.
+    pub fn invalid(key: &str, value: impl ToString, allowed: impl Into<String>) -> Self {
+        ConfigError::Invalid {
+            key: key.to_string(),
+            value: value.to_string(),
+            allowed: allowed.into(),
+        }
+    }
+}
+
+/// `Err` unless `value` is at most `limit`: sizes that allocate memory, threads or
+/// files get an upper bound, so a typo (`1e12`) is an error instead of a process that
+/// grows until the kernel kills it.
+pub fn at_most(key: &str, value: u64, limit: u64, why: &str) -> Result<(), ConfigError> {
+    if value > limit {
+        return Err(ConfigError::invalid(
+            key,
+            value,
+            format!("at most {limit} ({why})"),
+        ));
+    }
+    Ok(())
+}

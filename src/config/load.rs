@@ -71,10 +71,12 @@ fn resolve(mut table: Table, origin: &str, sets: &[String]) -> Result<Config, Co
                 .map(|v| format!(" = {v}"))
                 .unwrap_or_default();
             // A bad value may come from the file or from a --set; name the right one.
+            // `devices.use[0]`: an element of the key a --set may have set whole.
+            let whole = key.split('[').next().unwrap_or(&key);
             let from = sets
                 .iter()
                 .rev()
-                .find(|s| s.split_once('=').is_some_and(|(k, _)| k.trim() == key))
+                .find(|s| s.split_once('=').is_some_and(|(k, _)| k.trim() == whole))
                 .map(|s| format!("--set {s}"))
                 .unwrap_or_else(|| origin.to_string());
             ConfigError::Type {
@@ -165,6 +167,10 @@ fn first_key(node: &Table, section: &str) -> String {
 }
 
 fn hint(unknown: &str, siblings: &Table, prefix: &str) -> String {
+    let key = join(prefix, unknown);
+    if let Some((_, new)) = super::MOVED_KEYS.iter().find(|(old, _)| *old == key) {
+        return format!("; it moved to another section: write `{new}` instead");
+    }
     let best = siblings
         .keys()
         .map(|k| (strsim::jaro_winkler(unknown, k), k))
@@ -183,6 +189,11 @@ fn parse_set(arg: &str) -> Result<(String, Value), ConfigError> {
         arg: arg.to_string(),
         reason: reason.to_string(),
     };
+    if arg.contains(['\n', '\r']) {
+        return Err(bad(
+            "the value holds a line break; a config value is one line (quote a string in TOML if it must hold one)",
+        ));
+    }
     let (key, raw) = arg
         .split_once('=')
         .ok_or_else(|| bad("expected key=value, e.g. train.epochs=5"))?;
@@ -300,18 +311,18 @@ mod tests {
     fn convolution_kernels_default_to_auto_and_a_typo_lists_the_choices() {
         use crate::config::Convolution;
         let c = load_str("", "t.toml", &[]).unwrap();
-        assert_eq!(c.train.convolution, Convolution::Auto);
-        let c = load_str("[train]\nconvolution = \"burn\"\n", "t.toml", &[]).unwrap();
-        assert_eq!(c.train.convolution, Convolution::Burn);
-        let msg = load_str("", "t.toml", &sets(&["train.convolution=cudn"]))
+        assert_eq!(c.kernels.convolution, Convolution::Auto);
+        let c = load_str("[kernels]\nconvolution = \"burn\"\n", "t.toml", &[]).unwrap();
+        assert_eq!(c.kernels.convolution, Convolution::Burn);
+        let msg = load_str("", "t.toml", &sets(&["kernels.convolution=cudn"]))
             .unwrap_err()
             .to_string();
         assert!(msg.contains("cudnn") && msg.contains("burn"), "{msg}");
         use crate::config::BatchNormKernels;
-        assert_eq!(c.train.batch_norm, BatchNormKernels::Auto);
-        let c = load_str("", "t.toml", &sets(&["train.batch_norm=burn"])).unwrap();
-        assert_eq!(c.train.batch_norm, BatchNormKernels::Burn);
-        let msg = load_str("", "t.toml", &sets(&["train.batch_norm=cudn"]))
+        assert_eq!(c.kernels.batch_norm, BatchNormKernels::Auto);
+        let c = load_str("", "t.toml", &sets(&["kernels.batch_norm=burn"])).unwrap();
+        assert_eq!(c.kernels.batch_norm, BatchNormKernels::Burn);
+        let msg = load_str("", "t.toml", &sets(&["kernels.batch_norm=cudn"]))
             .unwrap_err()
             .to_string();
         assert!(msg.contains("cudnn") && msg.contains("auto"), "{msg}");
@@ -332,16 +343,16 @@ mod tests {
 
     #[test]
     fn sync_batchnorm_is_rejected_with_the_reason_and_ddp_is_accepted() {
-        let msg = load_str("", "t.toml", &sets(&["train.sync_batchnorm=true"]))
+        let msg = load_str("", "t.toml", &sets(&["parallel.sync_batchnorm=true"]))
             .unwrap_err()
             .to_string();
-        assert!(msg.contains("train.sync_batchnorm = true"), "{msg}");
+        assert!(msg.contains("parallel.sync_batchnorm = true"), "{msg}");
         assert!(
             msg.contains("each device normalises its own shard"),
             "{msg}"
         );
-        let c = load_str("[train]\nstrategy = \"ddp\"\n", "t.toml", &[]).unwrap();
-        assert_eq!(c.train.strategy, crate::config::Strategy::Ddp);
+        let c = load_str("[parallel]\nstrategy = \"ddp\"\n", "t.toml", &[]).unwrap();
+        assert_eq!(c.parallel.strategy, crate::config::DataParallel::Ddp);
     }
 
     #[test]
@@ -431,6 +442,90 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(msg.contains("is a value, not a section"), "{msg}");
+    }
+
+    #[test]
+    fn a_key_that_moved_section_is_an_error_naming_its_new_place() {
+        for (old, new) in crate::config::MOVED_KEYS {
+            let (section, key) = old.split_once('.').unwrap();
+            let value = Config::default();
+            let value = toml::Table::try_from(value).unwrap();
+            let (new_section, new_key) = new.split_once('.').unwrap();
+            let v = value[new_section].as_table().unwrap()[new_key].clone();
+            let file = format!("[{section}]\n{key} = {v}\n");
+            let msg = load_str(&file, "t.toml", &[]).unwrap_err().to_string();
+            assert!(msg.contains(&format!("`{old}`")), "{msg}");
+            assert!(msg.contains(&format!("write `{new}` instead")), "{msg}");
+            let msg = load_str("", "t.toml", &sets(&[&format!("{old}={v}")]))
+                .unwrap_err()
+                .to_string();
+            assert!(msg.contains(&format!("--set {old}=")), "{msg}");
+            assert!(msg.contains(&format!("write `{new}` instead")), "{msg}");
+            assert!(load_str("", "t.toml", &sets(&[&format!("{new}={v}")])).is_ok());
+        }
+    }
+
+    #[test]
+    fn absurd_sizes_are_errors_that_name_the_key_the_value_and_the_limit() {
+        for (set, key, limit) in [
+            (
+                "data.prefetch=1000000000000",
+                "data.prefetch",
+                "at most 256",
+            ),
+            (
+                "data.num_workers=100000000",
+                "data.num_workers",
+                "at most 256",
+            ),
+            (
+                "data.synthetic_train_size=1000000000000",
+                "data.synthetic_train_size",
+                "at most 10000000",
+            ),
+            (
+                "train.batch_size=1000000000",
+                "train.batch_size",
+                "at most 1048576",
+            ),
+            ("train.epochs=4000000000", "train.epochs", "at most 100000"),
+            (
+                "parallel.bucket_mib=100000",
+                "parallel.bucket_mib",
+                "at most 4096",
+            ),
+            (
+                "checkpoint.keep_last=1000000",
+                "checkpoint.keep_last",
+                "at most 10000",
+            ),
+            ("devices.count=5000", "devices.count", "at most 1024"),
+        ] {
+            let mut s = vec![set.to_string()];
+            if set.starts_with("data.synthetic") {
+                s.insert(0, "data.dataset=synthetic".into());
+            }
+            let msg = load_str("", "t.toml", &s).unwrap_err().to_string();
+            let value = set.split_once('=').unwrap().1;
+            assert!(msg.contains(&format!("{key} = {value}")), "{msg}");
+            assert!(msg.contains(limit), "{msg}");
+        }
+    }
+
+    #[test]
+    fn a_set_with_a_line_break_is_refused_not_cut() {
+        let msg = load_str("", "t.toml", &sets(&["data.root=a\nb"]))
+            .unwrap_err()
+            .to_string();
+        assert!(msg.contains("line break"), "{msg}");
+    }
+
+    #[test]
+    fn a_bad_element_of_a_list_set_on_the_command_line_names_the_set() {
+        let msg = load_str("", "t.toml", &sets(&["devices.use=[-1]"]))
+            .unwrap_err()
+            .to_string();
+        assert!(msg.starts_with("--set devices.use=[-1]"), "{msg}");
     }
 
     #[test]

@@ -165,6 +165,46 @@ impl Source for ImageFolder {
     fn label(&self, index: usize) -> usize {
         self.files[index].1 as usize
     }
+    fn check(
+        &self,
+        known: &std::collections::HashSet<String>,
+        good: &mut Vec<String>,
+    ) -> Result<(), DataError> {
+        use rayon::prelude::*;
+        // A file is known by its path, size and modification time: replaced or edited,
+        // it is checked again.
+        let key = |path: &Path| -> Option<String> {
+            let m = std::fs::metadata(path).ok()?;
+            let modified = m
+                .modified()
+                .ok()?
+                .duration_since(std::time::UNIX_EPOCH)
+                .ok()?
+                .as_nanos();
+            Some(format!("{}\t{}\t{modified}", path.display(), m.len()))
+        };
+        let todo: Vec<(&PathBuf, Option<String>)> = self
+            .files
+            .iter()
+            .map(|(p, _)| (p, key(p)))
+            .filter(|(_, k)| k.as_ref().is_none_or(|k| !known.contains(k)))
+            .collect();
+        let results: Vec<Result<Option<String>, DataError>> = todo
+            .par_iter()
+            .map(|(path, k)| decode(path).map(|_| k.clone()))
+            .collect();
+        let mut first_error = None;
+        for r in results {
+            match r {
+                Ok(k) => good.extend(k),
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        first_error.map_or(Ok(()), Err)
+    }
+
     fn read(&self, index: usize, out: &mut [u8]) -> Result<(), DataError> {
         let path = &self.files[index].0;
         let mut img = decode(path)?;
@@ -290,6 +330,28 @@ mod tests {
             msg.contains("dog/1.png") && msg.contains("cannot decode"),
             "{msg}"
         );
+    }
+
+    #[test]
+    fn checking_finds_a_bad_image_and_skips_the_files_checked_before() {
+        let dir = fixture();
+        let classes = classes(dir.path()).unwrap();
+        let set = ImageFolder::open(dir.path(), "test", &classes, 0, 0).unwrap();
+        let mut good = Vec::new();
+        set.check(&Default::default(), &mut good).unwrap();
+        assert_eq!(good.len(), 4);
+        let known: std::collections::HashSet<String> = good.into_iter().collect();
+        let mut again = Vec::new();
+        set.check(&known, &mut again).unwrap();
+        assert!(again.is_empty());
+        std::fs::write(dir.path().join("test/dog/1.png"), b"not a png").unwrap();
+        let msg = set.check(&known, &mut again).unwrap_err().to_string();
+        assert!(
+            msg.contains("dog/1.png") && msg.contains("cannot decode"),
+            "{msg}"
+        );
+        // The others are still known good; only the file that changed failed.
+        assert!(again.is_empty());
     }
 
     #[test]

@@ -39,6 +39,39 @@ impl Dataset {
         self.train.shape()
     }
 
+    /// Reads every image of both splits once, on every core, so a bad file stops the
+    /// run before training instead of at the first evaluation. Files checked before
+    /// (same path, size and modification time) are remembered in `cache` and skipped.
+    /// Returns how many images were checked now.
+    pub fn check(&self, cache: &std::path::Path) -> Result<usize, DataError> {
+        use std::collections::HashSet;
+        let known: HashSet<String> = std::fs::read_to_string(cache)
+            .map(|t| t.lines().map(str::to_string).collect())
+            .unwrap_or_default();
+        let mut checked = Vec::new();
+        let result = self
+            .train
+            .check(&known, &mut checked)
+            .and(self.test.check(&known, &mut checked));
+        // The good ones are remembered even when one is bad: once it is fixed, only it
+        // is read again.
+        if !checked.is_empty() {
+            let mut all: Vec<&String> = known.iter().chain(&checked).collect();
+            all.sort();
+            all.dedup();
+            let text: String = all.iter().map(|k| format!("{k}\n")).collect();
+            // A cache that cannot be written only costs the next run a check.
+            if let Some(dir) = cache.parent() {
+                let _ = std::fs::create_dir_all(dir);
+            }
+            let tmp = cache.with_extension("tmp");
+            if std::fs::write(&tmp, text).is_ok() {
+                let _ = std::fs::rename(&tmp, cache);
+            }
+        }
+        result.map(|()| checked.len())
+    }
+
     pub fn augment(&self, cfg: &DataConfig) -> Augment {
         Augment {
             crop_padding: cfg.crop_padding as usize,

@@ -25,6 +25,18 @@ pub trait Source: Send + Sync {
     fn label(&self, index: usize) -> usize;
     /// Writes image `index` as CHW u8 into `out` (`out.len() == shape().len()`).
     fn read(&self, index: usize, out: &mut [u8]) -> Result<(), DataError>;
+    /// Makes sure every image can be read, so that a bad file is found before training
+    /// rather than in the middle of it. `known` names the files checked before (see
+    /// `Dataset::check`); those found good now are added to `good`, also when another
+    /// one fails. Sources read whole when opened have nothing left to check.
+    fn check(
+        &self,
+        known: &std::collections::HashSet<String>,
+        good: &mut Vec<String>,
+    ) -> Result<(), DataError> {
+        let _ = (known, good);
+        Ok(())
+    }
 }
 
 /// Images decoded up front and kept in memory (IDX, CIFAR-10 binary).

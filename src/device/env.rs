@@ -24,15 +24,25 @@ pub struct DeviceEnv {
     /// Slurm's record of the GPUs it allocated (`SLURM_STEP_GPUS`, `SLURM_JOB_GPUS`,
     /// `SLURM_LOCALID`), when running under Slurm.
     pub slurm: Vec<(String, String)>,
+    /// `CUDA_VISIBLE_DEVICES` when it is set but not valid UTF-8 (shown lossily).
+    pub unreadable: Option<String>,
 }
 
 impl DeviceEnv {
     /// Reads the process environment.
     pub fn read() -> Self {
-        Self::from_vars(
+        let mut env = Self::from_vars(
             std::env::vars_os()
                 .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?))),
-        )
+        );
+        // Not text: CUDA would read bytes kiln cannot show as they are; refused rather
+        // than taken for unset (which would use every GPU).
+        if let Some(v) = std::env::var_os(VISIBLE)
+            && v.to_str().is_none()
+        {
+            env.unreadable = Some(v.to_string_lossy().into_owned());
+        }
+        env
     }
 
     pub fn from_vars(vars: impl IntoIterator<Item = (String, String)>) -> Self {

@@ -4,17 +4,21 @@
 //! only places that read the environment.
 
 mod env;
+mod error;
 mod nvml;
 mod plan;
 mod probe;
 mod select;
+mod usage;
 mod visible;
 pub mod world;
 
 pub use env::DeviceEnv;
-pub use nvml::{GpuUsage, UsageMonitor};
-pub use plan::{DeviceError, DevicePlan, Inventory, kernel_cache_dir, plan};
+pub use error::DeviceError;
+pub use nvml::UsageMonitor;
+pub use plan::{DevicePlan, Inventory, kernel_cache_dir, plan};
 pub use probe::{GpuInfo, Probe, memory_in_use_mib};
+pub use usage::UsageSampler;
 pub use world::World;
 
 use crate::config::DevicesConfig;
@@ -22,6 +26,23 @@ use crate::config::DevicesConfig;
 /// Applies `devices.visible` to this process's environment, before any CUDA call, and
 /// returns the environment as CUDA will read it.
 pub fn apply_visible(cfg: &DevicesConfig, env: DeviceEnv) -> Result<DeviceEnv, DeviceError> {
+    if let Some(lossy) = &env.unreadable {
+        return Err(DeviceError::VisibleNotText {
+            lossy: lossy.clone(),
+        });
+    }
+    for (source_name, value) in [
+        ("CUDA_VISIBLE_DEVICES", env.visible.as_deref().unwrap_or("")),
+        ("devices.visible", cfg.visible.as_str()),
+    ] {
+        if let Some(entry) = visible::repeated(value) {
+            return Err(DeviceError::VisibleRepeats {
+                source_name,
+                value: value.to_string(),
+                entry,
+            });
+        }
+    }
     let wanted = cfg.visible.trim();
     if wanted.is_empty() {
         return Ok(env);

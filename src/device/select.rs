@@ -2,8 +2,8 @@
 //! `min_free_mib`. Pure: takes the visible GPUs (with what NVML knows) and returns the
 //! choice with the reason, or an error that shows the numbers.
 
+use super::error::DeviceError;
 use super::nvml::{Link, NvmlSnapshot};
-use super::plan::DeviceError;
 use super::probe::GpuInfo;
 use crate::config::Selection;
 

@@ -108,6 +108,28 @@ pub fn resolve(raw: &str, gpus: &[Physical]) -> Resolved {
     out
 }
 
+/// The first entry of `raw` that names a GPU an earlier entry named too (the same
+/// index, UUID or MIG instance), which the driver refuses.
+pub fn repeated(raw: &str) -> Option<String> {
+    let mut seen: Vec<String> = Vec::new();
+    for token in raw.split(',').map(str::trim).filter(|t| !t.is_empty()) {
+        let key = match parse(token)? {
+            Entry::Index(n) => format!("GPU {n}"),
+            Entry::Uuid(u) => u,
+            Entry::Mig(m) => m,
+        };
+        if seen.contains(&key) {
+            return Some(if key.starts_with("GPU ") {
+                key
+            } else {
+                token.to_string()
+            });
+        }
+        seen.push(key);
+    }
+    None
+}
+
 /// Adds `index`, or says why the driver stops at it (a repeat).
 fn take(out: &mut Resolved, index: usize) -> Option<String> {
     if out.physical.contains(&index) {
@@ -141,6 +163,15 @@ mod tests {
                 uuid: format!("GPU-{i}{i}aa{i}-0000-1111-2222-33334444555{i}"),
             })
             .collect()
+    }
+
+    #[test]
+    fn a_repeated_gpu_is_found_whatever_its_spelling() {
+        assert_eq!(repeated("0,0").as_deref(), Some("GPU 0"));
+        assert_eq!(repeated("1, 0 ,1").as_deref(), Some("GPU 1"));
+        assert_eq!(repeated("GPU-abc,GPU-ABC").as_deref(), Some("GPU-ABC"));
+        assert_eq!(repeated("0,1,2"), None);
+        assert_eq!(repeated(""), None);
     }
 
     #[test]

@@ -1,5 +1,5 @@
 //! Mixed precision (`train.precision`) and the activations' layout
-//! (`train.channels_last`). Convolutions and the classifier's matmul take bfloat16 or
+//! (`kernels.channels_last`). Convolutions and the classifier's matmul take bfloat16 or
 //! float16 copies of their input and of the fp32 master weights. In NCHW they hand
 //! their result back in fp32, so BatchNorm, the residual additions, pooling, the loss
 //! and the optimizer stay in fp32. Channels-last keeps the activations in the low
@@ -38,11 +38,6 @@ impl Compute {
         Compute { precision, layout }
     }
 
-    /// What `train.precision` and `train.channels_last` ask for.
-    pub fn of(train: &crate::config::TrainConfig) -> Self {
-        Compute::new(train.precision, train.channels_last)
-    }
-
     /// The dtype of the activations between layers: the compute dtype channels-last,
     /// fp32 (`None`) otherwise.
     pub fn activation_dtype(&self) -> Option<FloatDType> {
@@ -70,7 +65,7 @@ pub fn compute_dtype(precision: Precision) -> Option<FloatDType> {
 }
 
 /// `conv.forward(x)` on `x` in `c.layout`, with the arithmetic in `c.precision`,
-/// through [`ConvBackend`] (on CUDA, cuDNN where `train.convolution` allows); the
+/// through [`ConvBackend`] (on CUDA, cuDNN where `kernels.convolution` allows); the
 /// result has `x`'s dtype in NCHW, the compute dtype channels-last.
 pub fn conv<B: ConvBackend>(conv: &Conv2d<B>, x: Tensor<B, 4>, c: Compute) -> Tensor<B, 4> {
     // kiln builds every convolution without bias and with symmetric explicit padding

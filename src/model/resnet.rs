@@ -112,7 +112,7 @@ pub struct ResNet<B: Backend> {
 
 impl<B: ModelBackend> ResNet<B> {
     /// The same network computing as `compute` says (`train.precision`,
-    /// `train.channels_last`; see `model::precision`).
+    /// `kernels.channels_last`; see `model::precision`).
     pub fn with_compute(mut self, compute: Compute) -> Self {
         self.compute = compute;
         self

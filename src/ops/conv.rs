@@ -13,7 +13,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::{ConvOptions, FloatTensor};
 use burn::tensor::{Tensor, TensorPrimitive};
 
-use super::{Layout, Part};
+use super::Layout;
 
 /// A 2-D convolution without bias (kiln's convolutions have none: BatchNorm follows
 /// each) and its two gradients, with every tensor in `layout`. The defaults are Burn's
@@ -25,7 +25,7 @@ pub trait ConvBackend: Backend {
         options: ConvOptions<2>,
         layout: Layout,
     ) -> FloatTensor<Self> {
-        burn_conv2d::<Self>(Part::Forward, x, weight, None, options, layout)
+        burn_conv2d::<Self>(ConvPass::Forward, x, weight, None, options, layout)
     }
 
     /// The gradient with respect to the input, given the output's gradient.
@@ -36,7 +36,14 @@ pub trait ConvBackend: Backend {
         options: ConvOptions<2>,
         layout: Layout,
     ) -> FloatTensor<Self> {
-        burn_conv2d::<Self>(Part::GradX, x, weight, Some(output_grad), options, layout)
+        burn_conv2d::<Self>(
+            ConvPass::GradX,
+            x,
+            weight,
+            Some(output_grad),
+            options,
+            layout,
+        )
     }
 
     /// The gradient with respect to the weight, given the output's gradient.
@@ -48,7 +55,7 @@ pub trait ConvBackend: Backend {
         layout: Layout,
     ) -> FloatTensor<Self> {
         let grad = Some(output_grad);
-        burn_conv2d::<Self>(Part::GradWeight, x, weight, grad, options, layout)
+        burn_conv2d::<Self>(ConvPass::GradWeight, x, weight, grad, options, layout)
     }
 }
 
@@ -58,7 +65,7 @@ impl ConvBackend for Flex {}
 /// tensors go in and come out as permuted views (`grad` is the output's gradient, for
 /// the two backward parts).
 pub(crate) fn burn_conv2d<B: Backend>(
-    part: Part,
+    part: ConvPass,
     x: FloatTensor<B>,
     weight: FloatTensor<B>,
     grad: Option<FloatTensor<B>>,
@@ -68,9 +75,9 @@ pub(crate) fn burn_conv2d<B: Backend>(
     let (x, weight) = (layout.nchw_view::<B>(x), layout.nchw_view::<B>(weight));
     let grad = grad.map(|g| layout.nchw_view::<B>(g));
     let out = match (part, grad) {
-        (Part::Forward, _) => B::conv2d(x, weight, None, options),
-        (Part::GradX, Some(g)) => B::conv2d_x_backward(x, weight, g, options),
-        (Part::GradWeight, Some(g)) => B::conv2d_weight_backward(x, weight, g, options),
+        (ConvPass::Forward, _) => B::conv2d(x, weight, None, options),
+        (ConvPass::GradX, Some(g)) => B::conv2d_x_backward(x, weight, g, options),
+        (ConvPass::GradWeight, Some(g)) => B::conv2d_weight_backward(x, weight, g, options),
         (_, None) => unreachable!("a convolution's gradient needs the output's gradient"),
     };
     layout.laid_out_view::<B>(out)
@@ -231,4 +238,13 @@ mod tests {
     fn gradients_match_with_activation_recomputation() {
         agrees_with_burn::<Autodiff<Flex, BalancedCheckpointing>>();
     }
+}
+
+/// The three parts of a convolution a backend can replace.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ConvPass {
+    Forward,
+    GradX,
+    GradWeight,
 }

@@ -218,7 +218,7 @@ fn inference<B: Backend>(bn: &BatchNorm<B>, x: Tensor<B, 4>, layout: Layout) -> 
 }
 
 /// The training pass as one node of the autodiff graph, its gradients through the
-/// inner backend's [`NormBackend`]. Memory-bound: under `train.gradient_checkpointing`
+/// inner backend's [`NormBackend`]. Memory-bound: under `kernels.gradient_checkpointing`
 /// the output is recomputed in the backward pass rather than kept, as Burn's
 /// element-wise BatchNorm was.
 impl<B: NormBackend, C: CheckpointStrategy> NormBackend for Autodiff<B, C> {

@@ -2,7 +2,7 @@
 
 use std::path::Path;
 
-use crate::train::EpochRecord;
+use super::EpochRecord;
 
 pub fn write_metrics(path: &Path, history: &[EpochRecord]) -> std::io::Result<()> {
     let mut out = String::from(

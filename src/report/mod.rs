@@ -1,12 +1,16 @@
 //! What a run leaves for its user: `metrics.csv`, `summary.json`, `curves.png`, and
 //! the progress shown while it trains. No Burn here; everything takes plain numbers.
 
+mod balance;
 mod csv;
+mod epoch;
 mod plot;
 mod progress;
 mod summary;
 
+pub use balance::{DeviceLoad, balance_report};
 pub use csv::write_metrics;
+pub use epoch::{EpochRecord, epoch_line};
 pub use plot::{register_font, write_curves};
 pub use progress::{Progress, Ticker};
 pub use summary::{Summary, write_summary};
@@ -17,6 +21,10 @@ use std::path::Path;
 /// never leaves a half-written report.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, bytes)?;
-    std::fs::rename(&tmp, path)
+    let written = std::fs::write(&tmp, bytes).and_then(|()| std::fs::rename(&tmp, path));
+    if written.is_err() {
+        // A full disk must not leave a half-written sibling behind.
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written
 }

@@ -9,7 +9,7 @@ use std::sync::Once;
 
 use plotters::prelude::*;
 
-use crate::train::EpochRecord;
+use super::EpochRecord;
 
 const W: u32 = 1200;
 const H: u32 = 450;
@@ -58,8 +58,14 @@ pub fn write_curves(path: &Path, history: &[EpochRecord]) -> Result<(), String> 
     }
     let img = image::RgbImage::from_raw(W, H, buf).expect("buffer matches the image size");
     let tmp = path.with_extension("tmp.png");
-    img.save(&tmp).map_err(|e| e.to_string())?;
-    std::fs::rename(&tmp, path).map_err(|e| e.to_string())
+    let saved = img
+        .save(&tmp)
+        .map_err(|e| e.to_string())
+        .and_then(|()| std::fs::rename(&tmp, path).map_err(|e| e.to_string()));
+    if saved.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    saved
 }
 
 fn panel<DB: DrawingBackend>(

@@ -59,6 +59,14 @@ impl Progress {
         step: u64,
         stats: Option<(f64, f64, f64)>,
     ) {
+        let line = |(loss, acc, ips): (f64, f64, f64)| {
+            format!(
+                "epoch {}/{} batch {batch}/{batches} step {step}: loss {loss:.4} acc {:.2}% {ips:.0} img/s",
+                epoch + 1,
+                self.epochs,
+                acc * 100.0
+            )
+        };
         match (&self.bar, stats) {
             (Some(bar), s) => {
                 bar.set_position(batch);
@@ -67,16 +75,13 @@ impl Progress {
                         "loss {loss:.4} acc {:.2}% {ips:.0} img/s",
                         acc * 100.0
                     ));
+                    // The log file gets what plain mode prints.
+                    if step.is_multiple_of(self.every) {
+                        crate::console::log(&line((loss, acc, ips)));
+                    }
                 }
             }
-            (None, Some((loss, acc, ips))) if step.is_multiple_of(self.every) => {
-                eprintln!(
-                    "epoch {}/{} batch {batch}/{batches} step {step}: loss {loss:.4} acc {:.2}% {ips:.0} img/s",
-                    epoch + 1,
-                    self.epochs,
-                    acc * 100.0
-                );
-            }
+            (None, Some(s)) if step.is_multiple_of(self.every) => crate::say!("{}", line(s)),
             _ => {}
         }
     }
@@ -88,8 +93,11 @@ impl Progress {
 
     pub fn println(&self, line: &str) {
         match &self.bar {
-            Some(bar) => bar.println(line),
-            None => eprintln!("{line}"),
+            Some(bar) => {
+                bar.println(line);
+                crate::console::log(line);
+            }
+            None => crate::say!("{line}"),
         }
     }
 
@@ -116,7 +124,7 @@ impl Ticker {
             while !flag.load(Ordering::Relaxed) {
                 std::thread::sleep(Duration::from_millis(200));
                 if start.elapsed() >= next {
-                    eprintln!(
+                    crate::say!(
                         "{what}: {:.0} s so far, {:.1} MB of kernels cached in {}",
                         start.elapsed().as_secs_f64(),
                         dir_size(&cache_dir) as f64 / 1e6,

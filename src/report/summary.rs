@@ -4,8 +4,6 @@ use std::path::Path;
 
 use serde::Serialize;
 
-use crate::train::TrainState;
-
 #[derive(Debug, Clone, Serialize)]
 pub struct Summary {
     pub status: String,
@@ -36,44 +34,6 @@ pub struct Summary {
     pub devices: Vec<String>,
     pub model: String,
     pub classes: usize,
-}
-
-impl Summary {
-    pub fn from_state(state: &TrainState, status: &str) -> Self {
-        let last_eval = state.history.iter().rev().find(|r| !r.test_acc.is_nan());
-        let best = state.best();
-        let rates: Vec<f64> = if state.history.len() > 1 {
-            state.history[1..].iter().map(|r| r.img_per_s).collect()
-        } else {
-            state.history.iter().map(|r| r.img_per_s).collect()
-        };
-        Summary {
-            status: status.to_string(),
-            epochs_completed: state.history.len() as u32,
-            steps: state.step,
-            final_test_acc: last_eval.map(|r| r.test_acc),
-            final_test_loss: last_eval.map(|r| r.test_loss),
-            best_test_acc: best.map(|b| b.0),
-            best_epoch: best.map(|b| b.1),
-            wall_time_s: state.elapsed_s,
-            img_per_s: (!rates.is_empty()).then(|| rates.iter().sum::<f64>() / rates.len() as f64),
-            first_step_s: state.first_step_s.clone(),
-            checkpoint_s: state.checkpoint_s,
-            checkpoint_share: if state.elapsed_s > 0.0 {
-                state.checkpoint_s / state.elapsed_s
-            } else {
-                0.0
-            },
-            checkpoints_written: state.checkpoints_written,
-            checkpoint_write_s: state.checkpoint_write_s,
-            loss_scale: state.loss_scale.map(|l| l.scale),
-            skipped_steps: state.loss_scale.map(|l| l.skipped_steps),
-            config_sha256: state.config_sha256.clone(),
-            devices: state.devices.clone(),
-            model: format!("{:?} ({:?} stem)", state.spec.arch, state.spec.stem).to_lowercase(),
-            classes: state.spec.num_classes,
-        }
-    }
 }
 
 pub fn write_summary(path: &Path, summary: &Summary) -> std::io::Result<()> {

@@ -18,9 +18,28 @@ pub struct Failure {
     pub device_position: Option<usize>,
     /// e.g. `cuda:1 NVIDIA H200`.
     pub device: String,
-    /// `error` or `hang`.
+    /// `error`, `hang`, or `unavailable` (no usable GPU where one was required).
     pub kind: String,
     pub message: String,
+    /// Whether restarting cannot help: the same attempt would fail the same way.
+    #[serde(default)]
+    pub permanent: bool,
+}
+
+impl Failure {
+    /// A training process that could not start on the devices it was asked for (no
+    /// usable GPU with `devices.backend = "cuda"` or `devices.require_gpu`): restarting
+    /// it on the same machine cannot help.
+    pub fn unavailable(message: String) -> Self {
+        Failure {
+            step: 0,
+            device_position: None,
+            device: "no usable GPU".into(),
+            kind: "unavailable".into(),
+            message,
+            permanent: true,
+        }
+    }
 }
 
 /// One device a training process used, in order (the main device first).

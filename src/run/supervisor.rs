@@ -32,7 +32,7 @@ pub fn decide(
     max_restarts: u32,
 ) -> Decision {
     let transient = match code {
-        Some(DEVICE_UNAVAILABLE) | Some(PANIC) | None => true,
+        Some(DEVICE_UNAVAILABLE) | Some(PANIC) | None => !failure.is_some_and(|f| f.permanent),
         Some(_) => false,
     };
     let code_out = code.unwrap_or(PANIC);
@@ -97,6 +97,7 @@ mod tests {
             device: "cuda:1 NVIDIA H200".into(),
             kind: "error".into(),
             message: "CUDA_ERROR_LAUNCH_FAILED".into(),
+            permanent: false,
         }
     }
 
@@ -120,6 +121,15 @@ mod tests {
                 "{code:?} {restarts}: {d:?}"
             );
         }
+    }
+
+    #[test]
+    fn a_failure_that_cannot_pass_is_not_retried() {
+        let none = Failure::unavailable("no CUDA driver".into());
+        assert_eq!(
+            decide(Some(75), Some(&none), &gpus(1), 0, 3),
+            Decision::Finish(75)
+        );
     }
 
     #[test]

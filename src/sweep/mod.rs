@@ -1,8 +1,8 @@
 //! `kiln sweep`: many trainings of one base config, placed on GPU slots (see
-//! `schedule`), ranked by one metric (see `results`).
+//! `runner`), ranked by one metric (see `results`).
 
 pub mod results;
-pub mod schedule;
+pub mod runner;
 pub mod slurm;
 pub mod spec;
 

@@ -8,7 +8,7 @@ use std::path::Path;
 
 use plotters::prelude::*;
 
-use super::schedule::Outcome;
+use super::runner::Outcome;
 use super::spec::{Goal, SweepSpec, Trial};
 
 /// Trial indices, best first; trials without a metric last, in trial order.
@@ -26,6 +26,14 @@ pub fn ranking(outcomes: &[Outcome], goal: Goal) -> Vec<usize> {
         (None, None) => a.cmp(&b),
     });
     order
+}
+
+/// The best trial: of those that finished (an interrupted or failed trial's metric is
+/// that of a part of its run), the first of the ranking.
+pub fn best(outcomes: &[Outcome], goal: Goal) -> Option<usize> {
+    ranking(outcomes, goal)
+        .into_iter()
+        .find(|&i| outcomes[i].status == "finished" && outcomes[i].metric.is_some())
 }
 
 fn csv_field(s: &str) -> String {
@@ -238,5 +246,15 @@ mod tests {
         ];
         assert_eq!(ranking(&outs, Goal::Max), vec![2, 3, 0, 1]);
         assert_eq!(ranking(&outs, Goal::Min), vec![0, 3, 2, 1]);
+    }
+
+    #[test]
+    fn an_interrupted_trial_is_never_the_best_whatever_its_partial_metric() {
+        let mut outs = vec![o(0, Some(0.5)), o(1, Some(0.9)), o(2, Some(0.7))];
+        outs[1].status = "interrupted".into();
+        assert_eq!(best(&outs, Goal::Max), Some(2));
+        outs[0].status = "interrupted".into();
+        outs[2].status = "interrupted".into();
+        assert_eq!(best(&outs, Goal::Max), None);
     }
 }

@@ -60,6 +60,9 @@ pub struct RandomSpec {
     pub axes: BTreeMap<String, Draw>,
 }
 
+/// Trials in one sweep at most: each is listed, then gets a folder of its own.
+const MAX_TRIALS: usize = 100_000;
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SweepSpec {
@@ -195,6 +198,30 @@ impl SweepSpec {
                         "random axis `{k}` = {d:?}: uniform needs [low, high] with low <= high, log_uniform also low > 0, choice at least one value"
                     )));
                 }
+            }
+        }
+        // Every trial is listed (and later has a folder) before the first starts.
+        let points = spec
+            .grid
+            .values()
+            .fold(1usize, |n, v| n.saturating_mul(v.len()));
+        let total = points.saturating_mul(spec.random.as_ref().map_or(1, |r| r.trials));
+        if total > MAX_TRIALS {
+            return Err(invalid(format!(
+                "{total} trials ({points} grid point(s){}): at most {MAX_TRIALS} in one sweep",
+                spec.random
+                    .as_ref()
+                    .map(|r| format!(" x random.trials = {}", r.trials))
+                    .unwrap_or_default()
+            )));
+        }
+        for (key, value, limit) in [
+            ("gpus_per_trial", spec.gpus_per_trial, 1024),
+            ("max_parallel", spec.max_parallel, 100_000),
+            ("max_restarts", spec.max_restarts as usize, 1000),
+        ] {
+            if value > limit {
+                return Err(invalid(format!("{key} = {value}: at most {limit}")));
             }
         }
         for key in spec

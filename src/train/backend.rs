@@ -2,7 +2,7 @@
 //! goes through [`with_backend`], so the generic stack is instantiated once per
 //! compiled backend: `Autodiff<Cuda>` and `Autodiff<Flex>` (the CPU); training work
 //! goes through [`with_training_backend`], which adds both with Burn's
-//! `BalancedCheckpointing` for `train.gradient_checkpointing`.
+//! `BalancedCheckpointing` for `kernels.gradient_checkpointing`.
 
 use std::path::PathBuf;
 
@@ -44,7 +44,7 @@ pub struct KernelSettings {
 /// why not.
 pub fn probe_cudnn(ordinal: usize) -> Result<String, String> {
     #[cfg(feature = "cuda")]
-    return crate::ops::cudnn::probe(ordinal);
+    return crate::ops::cuda::cudnn::probe(ordinal);
     #[cfg(not(feature = "cuda"))]
     {
         let _ = ordinal;
@@ -55,7 +55,7 @@ pub fn probe_cudnn(ordinal: usize) -> Result<String, String> {
 /// Whether the cuDNN that [`probe_cudnn`] found has the batch normalisation kernels.
 pub fn probe_cudnn_batch_norm() -> Result<(), String> {
     #[cfg(feature = "cuda")]
-    return crate::ops::cudnn::probe_batch_norm();
+    return crate::ops::cuda::cudnn::probe_batch_norm();
     #[cfg(not(feature = "cuda"))]
     Err("kiln was built without CUDA".into())
 }
@@ -74,7 +74,7 @@ pub fn with_backend<J: BackendJob>(
     run_with::<J, NoCheckpointing>(plan, kernels, job)
 }
 
-/// [`with_backend`] for jobs that train: `recompute` (`train.gradient_checkpointing`)
+/// [`with_backend`] for jobs that train: `recompute` (`kernels.gradient_checkpointing`)
 /// makes the autodiff graph keep only the outputs of compute-bound operations
 /// (convolutions, matmuls) and recompute the memory-bound ones (BatchNorm's arithmetic,
 /// ReLU, additions) during the backward pass, trading time for activation memory.
@@ -145,10 +145,12 @@ mod cuda {
                 Autotune::Full => AutotuneLevel::Full,
             };
             CubeClRuntimeConfig::set(cfg);
-            crate::ops::cudnn::set_convolutions(kernels.cudnn_convolutions);
-            crate::ops::cudnn::set_batch_norm(kernels.cudnn_batch_norm);
-            crate::ops::channels_last_norm::set_enabled(kernels.channels_last_norm);
-            crate::ops::pinned::set_pinned(kernels.pinned_uploads);
+            crate::ops::cuda::configure(crate::ops::cuda::Routing {
+                cudnn_convolutions: kernels.cudnn_convolutions,
+                cudnn_batch_norm: kernels.cudnn_batch_norm,
+                channels_last_norm: kernels.channels_last_norm,
+                pinned_uploads: kernels.pinned_uploads,
+            });
         });
     }
 }

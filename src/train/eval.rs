@@ -5,8 +5,9 @@ use std::path::PathBuf;
 
 use super::backend::BackendJob;
 use super::checkpoint::{self, CheckpointError};
+use super::error::TrainError;
+use super::evaluator::evaluate;
 use super::state::TrainState;
-use super::trainer::{TrainError, evaluate};
 use crate::data::Loader;
 
 pub struct EvalJob {

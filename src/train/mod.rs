@@ -1,30 +1,39 @@
-//! Burn-generic training: model + optimizer + loss on a backend, the loop, evaluation
-//! and checkpoints. `backend.rs` is the only file that names a concrete backend.
+//! Burn-generic training. `fit` is the loop; around it, each component decides its own
+//! "when": the checkpointer (`checkpoint/`), the evaluator, the watchdog, the fault
+//! injector. How a step is taken on one device, several, or across processes is a
+//! strategy's (`strategy/`), each holding its gradient exchange (`exchange/`).
+//! `build` makes model, optimizer and loaders once for `train`, `bench` and `warmup`;
+//! `backend.rs` is the only file that names a concrete backend.
 
 pub mod backend;
-mod bench;
+mod build;
 mod checkpoint;
 mod clip;
+mod error;
 mod eval;
+mod evaluator;
+mod exchange;
+mod faults;
+mod fit;
 mod fused_sgd;
 mod grads;
+mod learner;
 mod loss;
 mod loss_scale;
+mod lr_schedule;
 mod optim;
-mod parallel;
-mod ranks;
-mod schedule;
+mod precompile;
 mod state;
 mod step;
-mod trainer;
-mod transfer;
-mod warmup;
+mod strategy;
+mod throughput;
 mod watchdog;
 
-pub use bench::BenchJob;
 pub use checkpoint::CheckpointError;
+pub use error::TrainError;
 pub use eval::{EvalJob, pick_checkpoint};
-pub use parallel::ReplicaError;
-pub use state::{EpochRecord, TrainState};
-pub use trainer::{Outcome, TrainError, TrainJob};
-pub use warmup::WarmupJob;
+pub use exchange::ExchangeError;
+pub use fit::{Outcome, TrainJob};
+pub use precompile::WarmupJob;
+pub use strategy::ReplicaError;
+pub use throughput::BenchJob;

@@ -6,29 +6,7 @@ use serde::{Deserialize, Serialize};
 
 use super::loss_scale::LossScale;
 use crate::model::ModelSpec;
-
-/// One finished epoch.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct EpochRecord {
-    /// 1-based.
-    pub epoch: u32,
-    /// Optimizer steps completed at the end of this epoch.
-    pub step: u64,
-    /// Learning rate of the epoch's last step.
-    pub lr: f64,
-    pub train_loss: f64,
-    pub train_acc: f64,
-    /// NaN when the test split was not evaluated after this epoch.
-    pub test_loss: f64,
-    pub test_acc: f64,
-    /// Training images per second over the epoch (data loading included).
-    pub img_per_s: f64,
-    pub epoch_time_s: f64,
-    /// Time the training loop waited for the loader's next batch during the epoch: near
-    /// zero when loading keeps up, a large share when the devices wait for data.
-    #[serde(default)]
-    pub data_wait_s: f64,
-}
+use crate::report::{EpochRecord, Summary};
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TrainState {
@@ -64,6 +42,34 @@ pub struct TrainState {
     /// fp16's dynamic loss scale (None for fp32 and bf16).
     #[serde(default)]
     pub loss_scale: Option<LossScale>,
+    /// A checkpoint taken inside an epoch: the epoch's training metrics and times up
+    /// to it, so that the epoch's row after a resume covers the whole epoch.
+    #[serde(default)]
+    pub epoch_so_far: Option<EpochSoFar>,
+}
+
+/// An epoch's running training totals and times, up to a checkpoint inside it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct EpochSoFar {
+    /// Loss × images, correct predictions, images, over every device of the run.
+    pub loss: f64,
+    pub correct: f64,
+    pub images: usize,
+    pub seconds: f64,
+    pub data_wait_s: f64,
+}
+
+impl EpochSoFar {
+    /// These totals plus `(loss, correct, images)`.
+    pub fn plus(self, t: (f64, f64, usize), seconds: f64, data_wait_s: f64) -> Self {
+        EpochSoFar {
+            loss: self.loss + t.0,
+            correct: self.correct + t.1,
+            images: self.images + t.2,
+            seconds: self.seconds + seconds,
+            data_wait_s: self.data_wait_s + data_wait_s,
+        }
+    }
 }
 
 impl TrainState {
@@ -86,6 +92,7 @@ impl TrainState {
             checkpoints_written: 0,
             checkpoint_write_s: 0.0,
             loss_scale: None,
+            epoch_so_far: None,
         }
     }
 
@@ -96,5 +103,42 @@ impl TrainState {
             .filter(|r| !r.test_acc.is_nan())
             .map(|r| (r.test_acc, r.epoch))
             .max_by(|a, b| a.0.total_cmp(&b.0).then(b.1.cmp(&a.1)))
+    }
+
+    /// `summary.json` for this state, whose run is `status`.
+    pub fn summary(&self, status: &str) -> Summary {
+        let last_eval = self.history.iter().rev().find(|r| !r.test_acc.is_nan());
+        let best = self.best();
+        let rates: Vec<f64> = if self.history.len() > 1 {
+            self.history[1..].iter().map(|r| r.img_per_s).collect()
+        } else {
+            self.history.iter().map(|r| r.img_per_s).collect()
+        };
+        Summary {
+            status: status.to_string(),
+            epochs_completed: self.history.len() as u32,
+            steps: self.step,
+            final_test_acc: last_eval.map(|r| r.test_acc),
+            final_test_loss: last_eval.map(|r| r.test_loss),
+            best_test_acc: best.map(|b| b.0),
+            best_epoch: best.map(|b| b.1),
+            wall_time_s: self.elapsed_s,
+            img_per_s: (!rates.is_empty()).then(|| rates.iter().sum::<f64>() / rates.len() as f64),
+            first_step_s: self.first_step_s.clone(),
+            checkpoint_s: self.checkpoint_s,
+            checkpoint_share: if self.elapsed_s > 0.0 {
+                self.checkpoint_s / self.elapsed_s
+            } else {
+                0.0
+            },
+            checkpoints_written: self.checkpoints_written,
+            checkpoint_write_s: self.checkpoint_write_s,
+            loss_scale: self.loss_scale.map(|l| l.scale),
+            skipped_steps: self.loss_scale.map(|l| l.skipped_steps),
+            config_sha256: self.config_sha256.clone(),
+            devices: self.devices.clone(),
+            model: format!("{:?} ({:?} stem)", self.spec.arch, self.spec.stem).to_lowercase(),
+            classes: self.spec.num_classes,
+        }
     }
 }

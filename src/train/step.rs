@@ -17,6 +17,7 @@ use crate::model::Classifier;
 use crate::ops::{UploadBackend, upload_f32};
 
 /// Device-side sums over the images seen: loss times images, and correct predictions.
+#[derive(Clone)]
 pub struct Sums<B: Backend> {
     pub loss: Tensor<B, 1>,
     pub correct: Tensor<B, 1, Int>,
@@ -32,26 +33,21 @@ impl<B: Backend> Sums<B> {
         }
     }
 
+    /// Nothing seen yet, on `device`.
+    pub fn zeros(device: &B::Device) -> Sums<B> {
+        Sums {
+            loss: Tensor::zeros([1], device),
+            correct: Tensor::zeros([1], device),
+            images: 0,
+        }
+    }
+
     /// Adds to `acc`, which may be empty.
     pub fn accumulate(acc: Option<Sums<B>>, other: Sums<B>) -> Option<Sums<B>> {
         Some(match acc {
             Some(a) => a.add(other),
             None => other,
         })
-    }
-
-    /// The same sums on `device`, copied through host memory (see `transfer`).
-    pub fn via_host(self, device: &B::Device) -> Sums<B> {
-        Sums {
-            loss: Tensor::from_data(self.loss.into_data(), device),
-            correct: Tensor::from_data(self.correct.into_data(), device),
-            images: self.images,
-        }
-    }
-
-    /// Reads the sums back (one device synchronisation): mean loss and accuracy.
-    pub fn read(self) -> (f64, f64) {
-        means(self.totals())
     }
 
     /// Reads the sums back: loss times images, correct predictions, images.
@@ -61,12 +57,6 @@ impl<B: Backend> Sums<B> {
         let correct: f64 = self.correct.into_scalar().elem();
         (loss, correct, self.images)
     }
-}
-
-/// Mean loss and accuracy of `(loss × images, correct, images)`.
-pub fn means((loss, correct, images): (f64, f64, usize)) -> (f64, f64) {
-    let n = images.max(1) as f64;
-    (loss / n, correct / n)
 }
 
 /// The batch on `device`: images through [`UploadBackend`] (page-locked staging on

@@ -1,14 +1,16 @@
 //! Notices a step that takes far longer than the steps before it: a hung GPU. It
-//! records which device the step was waiting for in the run dir and ends the process
-//! with exit code 75, so the supervisor restarts from the last checkpoint (without
-//! that GPU when others remain). The first step of a process compiles kernels and is
-//! not watched.
+//! records which device the step was waiting for in the run dir, aborts the gradient
+//! exchange (so that no peer stays blocked in a collective waiting for this process)
+//! and ends the process with exit code 75, so the supervisor restarts from the last
+//! checkpoint (without that GPU when others remain). The first step of a process
+//! compiles kernels and is not watched.
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use super::exchange::Aborter;
 use crate::run::failure::{Failure, write_failure};
 
 /// Which device a step is still waiting for: (position, name).
@@ -41,7 +43,7 @@ pub fn timeout_s(configured: f64, recent: &[f64]) -> f64 {
 }
 
 impl Watchdog {
-    pub fn start(configured_s: f64, run_dir: PathBuf, pending: Pending) -> Self {
+    pub fn start(configured_s: f64, run_dir: PathBuf, pending: Pending, aborter: Aborter) -> Self {
         let beat = Arc::new(Mutex::new(Beat::default()));
         let stop = Arc::new(AtomicBool::new(false));
         let (b, s) = (beat.clone(), stop.clone());
@@ -66,10 +68,12 @@ impl Watchdog {
                             device_position: position,
                             device: device.clone(),
                             kind: "hang".into(),
-                            message: format!("no progress for {waited:.0} s (limit {limit:.0} s, train.hang_timeout_s)"),
+                            message: format!("no progress for {waited:.0} s (limit {limit:.0} s, watchdog.hang_timeout_s)"),
+                            permanent: false,
                         };
                         let _ = write_failure(&run_dir, &failure);
-                        eprintln!("kiln: error: step {step} hung on {device}: {}", failure.message);
+                        crate::say!("kiln: error: step {step} hung on {device}: {}", failure.message);
+                        aborter.abort(&format!("step {step} hung on {device}"));
                         std::process::exit(75);
                     }
                 }
@@ -79,6 +83,16 @@ impl Watchdog {
             beat,
             stop,
             thread: Some(thread),
+        }
+    }
+
+    /// A watchdog that never fires (the bench and warmup, which have no run to
+    /// restart).
+    pub fn idle() -> Self {
+        Watchdog {
+            beat: Arc::new(Mutex::new(Beat::default())),
+            stop: Arc::new(AtomicBool::new(true)),
+            thread: None,
         }
     }
 

@@ -8,12 +8,18 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+mod reliability;
+
 const DEBUG_TOML: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/configs/debug.toml");
 
 fn kiln() -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_kiln"));
-    // No GPU for tests, whatever the machine has.
+    // No GPU for tests, whatever the machine has, and a cache of the tests' own.
     cmd.env("CUDA_VISIBLE_DEVICES", "");
+    cmd.env(
+        "KILN_CACHE_DIR",
+        Path::new(env!("CARGO_TARGET_TMPDIR")).join("kiln-cache"),
+    );
     cmd.current_dir(env!("CARGO_MANIFEST_DIR"));
     cmd
 }
@@ -429,7 +435,7 @@ fn the_supervisor_restarts_after_a_panic_and_after_a_hang() {
             "checkpoint.every_steps=2",
             "faults.inject=hang",
             "faults.step=6",
-            "train.hang_timeout_s=1",
+            "watchdog.hang_timeout_s=1",
         ],
     )
     .success()
@@ -530,7 +536,7 @@ fn a_run_killed_with_sigkill_resumes_and_ends_as_an_uninterrupted_one() {
             "--set",
             "faults.step=7",
             "--set",
-            "train.hang_timeout_s=600",
+            "watchdog.hang_timeout_s=600",
         ])
         .stderr(std::process::Stdio::null())
         .spawn()
@@ -749,7 +755,7 @@ fn gradient_checkpointing_trains_to_the_same_result() {
     let plain = tempdir("recompute-plain");
     train(&plain, &[]).success();
     let recompute = tempdir("recompute-on");
-    train(&recompute, &["train.gradient_checkpointing=true"]).success();
+    train(&recompute, &["kernels.gradient_checkpointing=true"]).success();
     let (a, b) = (summary(&run_dir(&plain)), summary(&run_dir(&recompute)));
     let loss = |s: &serde_json::Value| s["final_test_loss"].as_f64().unwrap();
     assert!(
@@ -944,7 +950,7 @@ fn a_launched_process_killed_with_sigkill_is_restarted_with_the_others() {
         "faults.inject=hang",
         "faults.device=1",
         "faults.step=7",
-        "train.hang_timeout_s=600",
+        "watchdog.hang_timeout_s=600",
     ];
     let mut child = launch(&out, &["--nproc", "2"], &sets)
         .stderr(std::process::Stdio::piped())

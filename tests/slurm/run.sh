@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # `kiln sweep --launcher slurm` against a real, single-node Slurm cluster that this
-# script starts in a temporary folder and stops at the end (issue 8). Needs Debian's
+# script starts in a temporary folder and stops at the end. Needs Debian's
 # packages (`apt-get install slurmctld slurmd slurm-client munge`), root (slurmd
 # runs the jobs), and a release build (`cargo build --release`, or KILN=path).
 #

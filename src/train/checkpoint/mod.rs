@@ -1,13 +1,13 @@
 //! Full training checkpoints: model weights (full precision), optimizer state and the
-//! [`TrainState`], committed atomically by [`Store`]. Mechanism in `store.rs`,
-//! retention policy in `retention.rs`, writing in the background in `writer.rs`.
+//! [`TrainState`], committed atomically by [`Store`] (`run::checkpoints`, the on-disk
+//! layout). When to save and what to restore in `checkpointer.rs`, writing in the
+//! background in `writer.rs`.
 
-mod retention;
-mod store;
+mod checkpointer;
 mod writer;
 
 use crate::ops::SgdBackend;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use burn::module::Module;
 use burn::record::{
@@ -15,30 +15,13 @@ use burn::record::{
 };
 use burn::tensor::backend::AutodiffBackend;
 
-pub use store::Store;
+pub use crate::run::checkpoints::{CheckpointError, Store};
+pub use checkpointer::Checkpointer;
 pub use writer::Writer;
 
 use super::optim::Optim;
 use super::state::TrainState;
 use crate::model::ResNet;
-
-#[derive(Debug, thiserror::Error)]
-pub enum CheckpointError {
-    #[error("checkpoint I/O failed on {}", path.display())]
-    Io {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("corrupt checkpoint file {}: {reason}", path.display())]
-    Corrupt { path: PathBuf, reason: String },
-    #[error("cannot read or write {}: {message}", path.display())]
-    Record { path: PathBuf, message: String },
-    #[error("checkpoint {} was made for another setup: {difference}; start a new run instead of resuming", path.display())]
-    Incompatible { path: PathBuf, difference: String },
-    #[error("no checkpoint to resume from in {}{detail}", path.display())]
-    NoneFound { path: PathBuf, detail: String },
-}
 
 fn record_err(path: &Path) -> impl FnOnce(RecorderError) -> CheckpointError + '_ {
     move |e| CheckpointError::Record {

@@ -35,7 +35,7 @@ impl Writer {
                     let t = Instant::now();
                     let r = store
                         .save(snap.step, snap.test_acc, |dir| snap.write(dir))
-                        .and_then(|_| store.prune(keep_last, keep_best))
+                        .and_then(|_| store.prune(snap.step, keep_last, keep_best))
                         .map(|()| t.elapsed().as_secs_f64());
                     if tx.send(r).is_err() {
                         return;

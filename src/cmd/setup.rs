@@ -1,0 +1,131 @@
+//! Glue the subcommands share: resolving `kiln train`'s arguments into a run, planning
+//! the devices (probing the driver) and settling which kernels run (probing cuDNN).
+
+use crate::cli::TrainArgs;
+use crate::run::run_dir::{self, Request, Resolved};
+
+/// `kiln train`'s arguments resolved: the config (file, `--set`s, `--devices`), the run
+/// to resume, notes on what changed.
+pub fn resolve_train(args: &TrainArgs) -> anyhow::Result<Resolved> {
+    let mut sets = args.sets.clone();
+    if let Some(spec) = &args.devices {
+        sets.push(crate::cli::devices_override(spec));
+    }
+    Ok(run_dir::resolve(&Request {
+        config: args.config.as_deref(),
+        sets: &sets,
+        resume: args.resume.as_ref().map(|r| r.as_deref()),
+        output: &args.output,
+    })?)
+}
+
+/// Where kernels are cached, how they are tuned, what cuDNN runs (convolutions,
+/// BatchNorm) and how batches are uploaded, from the config and the plan (cuDNN is
+/// looked for on the first GPU).
+pub fn kernel_settings(
+    config: &crate::config::Config,
+    plan: &crate::device::DevicePlan,
+) -> anyhow::Result<crate::train::backend::KernelSettings> {
+    use crate::config::{BatchNormKernels, Convolution};
+    use crate::train::backend::{probe_cudnn, probe_cudnn_batch_norm};
+    let (conv, norm) = (config.kernels.convolution, config.kernels.batch_norm);
+    let probe = match plan {
+        crate::device::DevicePlan::Cuda { gpus, .. }
+            if conv != Convolution::Burn || norm != BatchNormKernels::Burn =>
+        {
+            Some(probe_cudnn(gpus[0].ordinal))
+        }
+        _ => None,
+    };
+    let install = "Install cuDNN 9 (e.g. `pip install nvidia-cudnn-cu12`) and add its lib \
+                   directory to LD_LIBRARY_PATH";
+    let cudnn_convolutions = match (&probe, conv) {
+        (None, _) | (_, Convolution::Burn) => false,
+        (Some(Ok(version)), _) => {
+            crate::say!("kiln: convolutions: cuDNN {version}");
+            true
+        }
+        (Some(Err(why)), Convolution::Cudnn) => anyhow::bail!(
+            "kernels.convolution = \"cudnn\" but cuDNN cannot be used: {why}. {install}, or set \
+             kernels.convolution = \"auto\" or \"burn\""
+        ),
+        (Some(Err(why)), Convolution::Auto) => {
+            crate::say!("kiln: convolutions: Burn's kernels (cuDNN: {why})");
+            false
+        }
+    };
+    let usable = probe.map(|p| p.and_then(|_| probe_cudnn_batch_norm()));
+    let own_kernels = config.kernels.channels_last && norm == BatchNormKernels::Auto;
+    let cudnn_batch_norm = match (usable, norm) {
+        (None, _) | (_, BatchNormKernels::Burn) => false,
+        (Some(_), _) if own_kernels => {
+            crate::say!("kiln: batch norm: kiln's channels-last kernels");
+            false
+        }
+        (Some(Ok(())), _) => {
+            crate::say!("kiln: batch norm: cuDNN");
+            true
+        }
+        (Some(Err(why)), BatchNormKernels::Cudnn) => anyhow::bail!(
+            "kernels.batch_norm = \"cudnn\" but cuDNN cannot be used: {why}. {install}, or set \
+             kernels.batch_norm = \"auto\" or \"burn\""
+        ),
+        (Some(Err(why)), BatchNormKernels::Auto) => {
+            crate::say!("kiln: batch norm: Burn's operations (cuDNN: {why})");
+            false
+        }
+    };
+    let on_cuda = matches!(plan, crate::device::DevicePlan::Cuda { .. });
+    // kiln's own kernels need no cuDNN.
+    let channels_last_norm = on_cuda && own_kernels;
+    let norm_ok = channels_last_norm || cudnn_batch_norm;
+    if on_cuda && config.kernels.channels_last && (!cudnn_convolutions || !norm_ok) {
+        anyhow::bail!(
+            "kernels.channels_last = true needs cuDNN's convolutions, and batch norm on kiln's \
+             or cuDNN's kernels, on CUDA: Burn's kernels take NCHW and would run it only \
+             through permuted views, many times slower. Set kernels.channels_last = false, \
+             or kernels.convolution \"auto\" or \"cudnn\" and kernels.batch_norm \"auto\" \
+             or \"cudnn\" ({install})"
+        );
+    }
+    Ok(crate::train::backend::KernelSettings {
+        cache_dir: crate::device::kernel_cache_dir(&config.devices.cache_dir),
+        autotune: config.kernels.autotune,
+        cudnn_convolutions,
+        cudnn_batch_norm,
+        channels_last_norm,
+        // Applied by the CUDA backend only; the CPU uploads nothing.
+        pinned_uploads: config.data.pin_memory,
+    })
+}
+
+/// Applies `devices.visible`, probes the driver and NVML, and resolves `[devices]`,
+/// printing where the work runs and why.
+pub fn plan_devices(
+    cfg: &crate::config::DevicesConfig,
+) -> anyhow::Result<crate::device::DevicePlan> {
+    use crate::config::BackendChoice;
+    use crate::device::{DeviceEnv, DevicePlan, Inventory, Probe, apply_visible, plan};
+    let env = apply_visible(cfg, DeviceEnv::read())?;
+    let inventory = if cfg.backend == BackendChoice::Cpu {
+        // The CPU was asked for: do not touch the driver at all.
+        Inventory::assemble(Probe::Gpus(Vec::new()), Err("not probed".into()))
+    } else {
+        Inventory::read()
+    };
+    let (plan, notes) = plan(cfg, &env, &inventory)?;
+    for note in notes {
+        crate::say!("kiln: warning: {note}");
+    }
+    match &plan {
+        DevicePlan::Cuda { reason, .. } => {
+            crate::say!(
+                "kiln: devices: {} ({reason}; {})",
+                plan.describe(),
+                env.source()
+            );
+        }
+        DevicePlan::Cpu { reason } => crate::say!("kiln: training on the CPU: {reason}"),
+    }
+    Ok(plan)
+}

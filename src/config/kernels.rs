@@ -1,0 +1,91 @@
+//! `[kernels]`: which kernels compute the network on CUDA and how they are chosen.
+//! None of these change what is trained, only how fast and in how much memory.
+
+use serde::{Deserialize, Serialize};
+
+use super::error::ConfigError;
+
+/// How hard cubecl searches for the fastest kernel of each new shape (CUDA only).
+/// Results are cached, so only the first run on a machine pays for the search.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Autotune {
+    /// cubecl's `minimal`: fewest shape groups, shortest first steps.
+    Fast,
+    /// cubecl's default.
+    Balanced,
+    /// cubecl's `extensive`.
+    Extensive,
+    /// cubecl's `full`: tunes every shape on its own.
+    Full,
+}
+
+/// Which kernels run convolutions on CUDA (forward and both gradients).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Convolution {
+    /// cuDNN when it can be loaded (`libcudnn.so.9` on the library path), otherwise
+    /// Burn's kernels, with a note saying why.
+    Auto,
+    /// As `auto`, but an error before training starts when cuDNN cannot be loaded.
+    Cudnn,
+    /// Burn's own implicit-GEMM kernels.
+    Burn,
+}
+
+/// Which kernels run BatchNorm's training pass on CUDA (batch statistics, forward and
+/// backward). Evaluation always uses Burn's element-wise pass with the running
+/// statistics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BatchNormKernels {
+    /// Channels-last layers on kiln's own kernels (`ops::channels_last_norm`); NCHW
+    /// layers on cuDNN's batch normalisation (one kernel each way per layer) when cuDNN
+    /// can be loaded, otherwise Burn's operations, with a note saying why.
+    Auto,
+    /// cuDNN in both layouts, or an error before training starts when it cannot be
+    /// loaded.
+    Cudnn,
+    /// Burn's element-wise and reduction operations (about a dozen per layer forward).
+    Burn,
+}
+
+/// `[kernels]`: kernel choices on CUDA; the CPU runs Burn's kernels whatever is set.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct KernelsConfig {
+    /// Kernel autotuning on CUDA; ignored on the CPU.
+    pub autotune: Autotune,
+    /// Convolution kernels on CUDA: `auto`, `cudnn` or `burn`.
+    pub convolution: Convolution,
+    /// BatchNorm's training kernels on CUDA: `auto`, `cudnn` or `burn`.
+    pub batch_norm: BatchNormKernels,
+    /// Activations as `[N, H, W, C]` and convolution weights as `[K, R, S, C]` inside
+    /// the network (`model::precision`); with bf16/fp16 the activations also stay in
+    /// the low precision between layers. On CUDA it needs cuDNN's convolutions and batch
+    /// norm on kiln's or cuDNN's kernels, and the run stops before training without them.
+    pub channels_last: bool,
+    /// Recompute memory-bound activations in the backward pass instead of keeping them
+    /// (Burn's balanced checkpointing).
+    pub gradient_checkpointing: bool,
+}
+
+impl Default for KernelsConfig {
+    fn default() -> Self {
+        Self {
+            autotune: Autotune::Balanced,
+            convolution: Convolution::Auto,
+            batch_norm: BatchNormKernels::Auto,
+            channels_last: false,
+            gradient_checkpointing: false,
+        }
+    }
+}
+
+impl KernelsConfig {
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        // Every combination parses; whether the machine can run it (cuDNN present) is
+        // decided when the kernels are set up, not here.
+        Ok(())
+    }
+}

@@ -1,0 +1,700 @@
+//! cuDNN's batch normalisation behind Burn's CUDA backend (`kernels.batch_norm`): the
+//! training pass (batch statistics) forward and backward as one cuDNN call each, on
+//! the stream the convolutions use (see the parent module).
+
+use std::ffi::c_void;
+use std::ptr::{null, null_mut};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use burn::cubecl::cuda::CudaRuntime;
+use burn::cubecl::server::Handle;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{DType, Shape};
+use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
+use cudarc::cudnn::{result as dnn, sys};
+
+use super::super::channels_last_norm;
+use super::super::kiln_stream::{After, Client, Lane};
+use super::{
+    Dnn, Planned, Tensor, data_type, dims, has_symbols, on_cudnn_planned, tensor_format, warn_once,
+    write_scaling,
+};
+use crate::ops::norm::{grad_reference, train_reference};
+use crate::ops::{Layout, LibraryCall, NormBackend};
+
+static BATCH_NORM: AtomicBool = AtomicBool::new(false);
+
+/// Whether BatchNorm's training pass runs on cuDNN (after [`probe_batch_norm`]
+/// succeeded). Set once, before training.
+pub fn set_batch_norm(on: bool) {
+    BATCH_NORM.store(on, Ordering::Relaxed);
+}
+
+/// Whether the cuDNN that [`probe`] loaded has the batch normalisation entry points
+/// (cuDNN 9 keeps them in its legacy operations library, which a slimmed install may
+/// leave out; cudarc would panic at the first call).
+pub fn probe_batch_norm() -> Result<(), String> {
+    has_symbols(&[
+        "cudnnDeriveBNTensorDescriptor",
+        "cudnnBatchNormalizationForwardTraining",
+        "cudnnBatchNormalizationBackward",
+    ])
+}
+
+/// What one batch-normalisation input's descriptors depend on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(super) struct NormKey {
+    /// NCHW order, whatever the layout.
+    dims: [i32; 4],
+    layout: Layout,
+    data: sys::cudnnDataType_t,
+}
+
+impl NormKey {
+    /// Batch statistics over N, H and W (per channel), as BatchNorm in training.
+    /// Channels-last takes cuDNN's persistent kernels, as PyTorch does there: its
+    /// plain NHWC kernels ran ResNet-50 at a sixth of the NCHW speed on an H200.
+    fn mode(&self) -> sys::cudnnBatchNormMode_t {
+        match self.layout {
+            Layout::Nchw => sys::cudnnBatchNormMode_t::CUDNN_BATCHNORM_SPATIAL,
+            Layout::Nhwc => sys::cudnnBatchNormMode_t::CUDNN_BATCHNORM_SPATIAL_PERSISTENT,
+        }
+    }
+
+    /// The persistent kernels keep every SM busy at once and wait for all their
+    /// blocks: queued behind them, cubecl's spinning hand-over kernel (`stream_order`)
+    /// held part of one SM and the first channels-last ResNet step never ended. So
+    /// where they run on kiln's stream the host waits for it after them instead (on
+    /// cubecl's own stream nothing spins and nothing waits).
+    fn after(&self) -> After {
+        match self.mode() {
+            sys::cudnnBatchNormMode_t::CUDNN_BATCHNORM_SPATIAL_PERSISTENT => After::Host,
+            _ => After::Gpu,
+        }
+    }
+}
+
+/// The descriptor of `x` and the per-channel one cuDNN derives from it for the
+/// parameters and statistics (f32, also for bf16 and fp16 inputs); destroyed on drop.
+pub(super) struct NormDescriptors {
+    x: sys::cudnnTensorDescriptor_t,
+    channel: sys::cudnnTensorDescriptor_t,
+    mode: sys::cudnnBatchNormMode_t,
+    /// Set where cuDNN's extended calls run this input.
+    ex: Option<ExWorkspace>,
+}
+
+/// The workspace of cuDNN's extended (`...Ex`) batch-norm calls, forward and backward.
+///
+/// On NHWC input only these reach the kernels PyTorch runs for channels-last
+/// (`batchnorm_*_nhwc_semiPersist`): the plain calls in the same persistent mode ran
+/// `bn_*_1C11_singleread` kernels, 1.1-1.6 ms per ResNet-50 layer at batch 64 on an
+/// H200 (Nsight Compute), over 20x PyTorch's.
+#[derive(Debug, Clone, Copy)]
+struct ExWorkspace {
+    forward: usize,
+    backward: usize,
+}
+
+const OPS_BN: sys::cudnnBatchNormOps_t = sys::cudnnBatchNormOps_t::CUDNN_BATCHNORM_OPS_BN;
+
+impl NormDescriptors {
+    pub(in crate::ops::cuda::cudnn) fn new(
+        key: NormKey,
+        handle: sys::cudnnHandle_t,
+    ) -> Result<Self, String> {
+        let err = |what: &str, e: dnn::CudnnError| format!("batch norm {what} {key:?}: {e:?}");
+        let mut d = NormDescriptors {
+            x: null_mut(),
+            channel: null_mut(),
+            mode: key.mode(),
+            ex: None,
+        };
+        d.x = dnn::create_tensor_descriptor().map_err(|e| err("descriptor", e))?;
+        d.channel = dnn::create_tensor_descriptor().map_err(|e| err("descriptor", e))?;
+        // SAFETY: both descriptors were created above and are alive.
+        unsafe {
+            dnn::set_tensor4d_descriptor(d.x, tensor_format(key.layout), key.data, key.dims)
+                .map_err(|e| err("input", e))?;
+            sys::cudnnDeriveBNTensorDescriptor(d.channel, d.x, d.mode)
+                .result()
+                .map_err(|e| err("channels", e))?;
+        }
+        if key.layout == Layout::Nhwc {
+            d.ex = d
+                .ex_workspace(handle)
+                .inspect_err(|e| note_plain(key, e))
+                .ok();
+        }
+        Ok(d)
+    }
+
+    /// What the extended calls need, or why they cannot run here. Reserve space
+    /// would have to travel from forward to backward, which kiln's batch norm (its
+    /// statistics only) does not carry, so cuDNN asking for any refuses them.
+    fn ex_workspace(&self, handle: sys::cudnnHandle_t) -> Result<ExWorkspace, String> {
+        has_symbols(&[
+            "cudnnBatchNormalizationForwardTrainingEx",
+            "cudnnBatchNormalizationBackwardEx",
+            "cudnnGetBatchNormalizationForwardTrainingExWorkspaceSize",
+            "cudnnGetBatchNormalizationBackwardExWorkspaceSize",
+            "cudnnGetBatchNormalizationTrainingExReserveSpaceSize",
+        ])?;
+        let (mode, x, c) = (self.mode, self.x, self.channel);
+        let (mut forward, mut backward, mut reserve) = (0, 0, 0);
+        // SAFETY: live handle and descriptors; no activation, no residual input (null
+        // descriptors, as cuDNN documents for `CUDNN_BATCHNORM_OPS_BN`).
+        unsafe {
+            sys::cudnnGetBatchNormalizationForwardTrainingExWorkspaceSize(
+                handle,
+                mode,
+                OPS_BN,
+                x,
+                null_mut(),
+                x,
+                c,
+                null_mut(),
+                &mut forward,
+            )
+            .result()
+            .map_err(|e| format!("forward workspace: {e:?}"))?;
+            sys::cudnnGetBatchNormalizationBackwardExWorkspaceSize(
+                handle,
+                mode,
+                OPS_BN,
+                x,
+                x,
+                x,
+                null_mut(),
+                x,
+                c,
+                null_mut(),
+                &mut backward,
+            )
+            .result()
+            .map_err(|e| format!("backward workspace: {e:?}"))?;
+            sys::cudnnGetBatchNormalizationTrainingExReserveSpaceSize(
+                handle,
+                mode,
+                OPS_BN,
+                null_mut(),
+                x,
+                &mut reserve,
+            )
+            .result()
+            .map_err(|e| format!("reserve space: {e:?}"))?;
+        }
+        if reserve > 0 {
+            return Err(format!("it asks for {reserve} bytes of reserve space"));
+        }
+        Ok(ExWorkspace { forward, backward })
+    }
+}
+
+/// Says once that cuDNN's extended NHWC batch norm is out of reach, and why.
+fn note_plain(key: NormKey, why: &str) {
+    static NOTED: AtomicBool = AtomicBool::new(false);
+    if !NOTED.swap(true, Ordering::Relaxed) {
+        crate::say!(
+            "kiln: note: cuDNN's extended channels-last batch norm cannot run {:?} ({why}); its plain calls run instead (slower)",
+            key.dims
+        );
+    }
+}
+
+impl Drop for NormDescriptors {
+    fn drop(&mut self) {
+        // SAFETY: each pointer is either null (never created) or a live descriptor.
+        unsafe {
+            for d in [self.x, self.channel] {
+                if !d.is_null() {
+                    let _ = dnn::destroy_tensor_descriptor(d);
+                }
+            }
+        }
+    }
+}
+
+/// The tensors of one batch-normalisation call, contiguous, after checking what
+/// cuDNN takes: `tensors[0]` 4-D (f32, bf16 or fp16), the others `[C]` in f32 or of
+/// `x`'s shape and dtype (`full` lists which). Returns them with `x`'s descriptor key.
+fn norm_inputs<const N: usize>(
+    tensors: [&Tensor; N],
+    full: &[usize],
+    layout: Layout,
+) -> Result<([Tensor; N], NormKey), String> {
+    let x = tensors[0];
+    if x.meta.shape().num_dims() != 4 {
+        return Err("cuDNN batch norm takes 4-D tensors".into());
+    }
+    let data = data_type(x.dtype)?;
+    for (i, t) in tensors.iter().enumerate() {
+        let want = if full.contains(&i) {
+            x.dtype
+        } else {
+            DType::F32
+        };
+        if t.dtype != want {
+            return Err(format!(
+                "no cuDNN batch norm for {:?} with {:?}",
+                t.dtype, x.dtype
+            ));
+        }
+    }
+    let key = NormKey {
+        dims: dims(x, layout),
+        layout,
+        data,
+    };
+    Ok((tensors.map(|t| into_contiguous(t.clone())), key))
+}
+
+/// The buffers of a batch-norm call's three outputs: one of `x`'s size and dtype, two
+/// f32 per channel.
+fn norm_buffers(client: &Client, x: &Tensor, key: &NormKey) -> [Handle; 3] {
+    let channels = key.dims[1] as usize;
+    [
+        client.empty(x.meta.shape().num_elements() * x.dtype.size()),
+        client.empty(channels * 4),
+        client.empty(channels * 4),
+    ]
+}
+
+/// A batch-norm call's three outputs as tensors: the first of `x`'s shape and dtype,
+/// the other two per channel, f32.
+fn norm_outputs(
+    client: &Client,
+    x: &Tensor,
+    key: &NormKey,
+    [full, a, b]: [Handle; 3],
+) -> [Tensor; 3] {
+    let shape = x.meta.shape();
+    let channel = Shape::new([key.dims[1] as usize]);
+    let tensor = |shape: Shape, handle, dtype| {
+        Tensor::new_contiguous(client.clone(), x.device.clone(), shape, handle, dtype)
+    };
+    [
+        tensor(shape.clone(), full, x.dtype),
+        tensor(channel.clone(), a, DType::F32),
+        tensor(channel, b, DType::F32),
+    ]
+}
+
+/// A workspace of `bytes` for one call, none where cuDNN needs none.
+fn workspace(client: &Client, bytes: usize) -> Option<Handle> {
+    (bytes > 0).then(|| client.empty(bytes))
+}
+
+/// [`NormBackend::batch_norm_train`] through cuDNN.
+fn norm_train(
+    x: &Tensor,
+    gamma: &Tensor,
+    beta: &Tensor,
+    epsilon: f64,
+    layout: Layout,
+) -> Result<[Tensor; 3], String> {
+    let ([x, gamma, beta], key) = norm_inputs([x, gamma, beta], &[0], layout)?;
+    let inputs = [&x, &gamma, &beta].map(|t| t.handle.clone()).to_vec();
+    queue_norm(&x, key, Pass::Train, inputs, move |descs, h, p| {
+        let (a, b) = write_scaling();
+        // SAFETY: contiguous buffers of the described shapes and dtypes, the
+        // workspace as large as cuDNN asked; the running statistics (both null) are
+        // updated by the caller, as Burn's module does.
+        unsafe {
+            match descs.ex {
+                Some(ex) => sys::cudnnBatchNormalizationForwardTrainingEx(
+                    h,
+                    descs.mode,
+                    OPS_BN,
+                    a,
+                    b,
+                    descs.x,
+                    p[0],
+                    null_mut(),
+                    null(),
+                    descs.x,
+                    p[3],
+                    descs.channel,
+                    p[1],
+                    p[2],
+                    0.0,
+                    null_mut(),
+                    null_mut(),
+                    epsilon,
+                    p[4],
+                    p[5],
+                    null_mut(),
+                    p[6],
+                    ex.forward,
+                    null_mut(),
+                    0,
+                ),
+                None => sys::cudnnBatchNormalizationForwardTraining(
+                    h,
+                    descs.mode,
+                    a,
+                    b,
+                    descs.x,
+                    p[0],
+                    descs.x,
+                    p[3],
+                    descs.channel,
+                    p[1],
+                    p[2],
+                    0.0,
+                    null_mut(),
+                    null_mut(),
+                    epsilon,
+                    p[4],
+                    p[5],
+                ),
+            }
+        }
+    })
+}
+
+/// [`NormBackend::batch_norm_grad`] through cuDNN.
+fn norm_grad(
+    x: &Tensor,
+    gamma: &Tensor,
+    mean: &Tensor,
+    inv_std: &Tensor,
+    dy: &Tensor,
+    epsilon: f64,
+    layout: Layout,
+) -> Result<[Tensor; 3], String> {
+    let ([x, gamma, mean, inv_std, dy], key) =
+        norm_inputs([x, gamma, mean, inv_std, dy], &[0, 4], layout)?;
+    let inputs = [&x, &gamma, &mean, &inv_std, &dy]
+        .map(|t| t.handle.clone())
+        .to_vec();
+    queue_norm(&x, key, Pass::Grad, inputs, move |descs, h, p| {
+        let (a, b) = write_scaling();
+        // SAFETY: contiguous buffers of the described shapes and dtypes, the
+        // workspace as large as cuDNN asked; mean and inverse deviation are the
+        // forward pass's, computed with the same epsilon.
+        unsafe {
+            match descs.ex {
+                Some(ex) => sys::cudnnBatchNormalizationBackwardEx(
+                    h,
+                    descs.mode,
+                    OPS_BN,
+                    a,
+                    b,
+                    a,
+                    b,
+                    descs.x,
+                    p[0],
+                    null_mut(),
+                    null(),
+                    descs.x,
+                    p[4],
+                    null_mut(),
+                    null_mut(),
+                    descs.x,
+                    p[5],
+                    descs.channel,
+                    p[1],
+                    null(),
+                    p[6],
+                    p[7],
+                    epsilon,
+                    p[2],
+                    p[3],
+                    null_mut(),
+                    p[8],
+                    ex.backward,
+                    null_mut(),
+                    0,
+                ),
+                None => sys::cudnnBatchNormalizationBackward(
+                    h,
+                    descs.mode,
+                    a,
+                    b,
+                    a,
+                    b,
+                    descs.x,
+                    p[0],
+                    descs.x,
+                    p[4],
+                    descs.x,
+                    p[5],
+                    descs.channel,
+                    p[1],
+                    p[6],
+                    p[7],
+                    epsilon,
+                    p[2],
+                    p[3],
+                ),
+            }
+        }
+    })
+}
+
+/// Which batch-norm call a [`queue_norm`] makes.
+#[derive(Clone, Copy)]
+enum Pass {
+    Train,
+    Grad,
+}
+
+/// Queues one batch-norm call of `pass` over `x` (described by `key`) on cuDNN (as a
+/// round trip for the shape's first call, `on_cudnn_planned`): `call` gets the
+/// descriptors, the handle and the addresses of `inputs`, then of the three outputs
+/// made here, then of the workspace cuDNN's extended calls ask for (null without).
+fn queue_norm(
+    x: &Tensor,
+    key: NormKey,
+    pass: Pass,
+    inputs: Vec<Handle>,
+    call: impl FnOnce(&NormDescriptors, sys::cudnnHandle_t, &[*mut c_void]) -> sys::cudnnStatus_t
+    + Send
+    + 'static,
+) -> Result<[Tensor; 3], String> {
+    let client = x.client.clone();
+    let outputs = norm_buffers(&client, x, &key);
+    let (planned, kind, what) = match pass {
+        Pass::Train => (Planned::NormTrain(key), LibraryCall::NormForward, "forward"),
+        Pass::Grad => (
+            Planned::NormGrad(key),
+            LibraryCall::NormBackward,
+            "backward",
+        ),
+    };
+    let job = {
+        let (client, outputs) = (client.clone(), outputs.clone());
+        move |dnn: &mut Dnn, lane: &mut Lane, h: sys::cudnnHandle_t| {
+            let descs = dnn.norm(key, h)?;
+            let bytes = descs.ex.map(|ex| match pass {
+                Pass::Train => ex.forward,
+                Pass::Grad => ex.backward,
+            });
+            let workspace = bytes.and_then(|b| workspace(&client, b));
+            let buffers = inputs
+                .iter()
+                .chain(&outputs)
+                .map(Some)
+                .chain([workspace.as_ref()])
+                .collect::<Vec<_>>();
+            lane.queue(&client, &buffers, key.after(), kind, |_, p| {
+                call(&descs, h, p)
+                    .result()
+                    .map_err(|e| format!("batch norm {what} {key:?}: {e:?}"))
+            })
+        }
+    };
+    on_cudnn_planned(&client, &x.device, planned, job)?;
+    Ok(norm_outputs(&client, x, &key, outputs))
+}
+
+/// cuDNN's result, or `None` (Burn's operations) when BatchNorm is not routed to
+/// cuDNN or it failed; a failure is reported once.
+fn norm_through_cudnn(run: impl FnOnce() -> Result<[Tensor; 3], String>) -> Option<[Tensor; 3]> {
+    if !BATCH_NORM.load(Ordering::Relaxed) {
+        return None;
+    }
+    static WARNED: AtomicBool = AtomicBool::new(false);
+    warn_once(run(), &WARNED, "a batch norm", "operations")
+}
+
+/// Channels-last layers on kiln's own kernels where they are on (`channels_last_norm`),
+/// then cuDNN where it is on, then Burn's operations.
+impl<F: FloatElement, I: IntElement, BT: BoolElement> NormBackend
+    for CubeBackend<CudaRuntime, F, I, BT>
+{
+    fn batch_norm_train(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        epsilon: f64,
+        layout: Layout,
+    ) -> [FloatTensor<Self>; 3] {
+        if layout == Layout::Nhwc
+            && channels_last_norm::enabled()
+            && let Some(out) = channels_last_norm::train(&x, &gamma, &beta, epsilon)
+        {
+            return out;
+        }
+        match norm_through_cudnn(|| norm_train(&x, &gamma, &beta, epsilon, layout)) {
+            Some(out) => out,
+            None => train_reference::<Self>(x, gamma, beta, epsilon, layout),
+        }
+    }
+
+    fn batch_norm_grad(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        mean: FloatTensor<Self>,
+        inv_std: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+        epsilon: f64,
+        layout: Layout,
+    ) -> [FloatTensor<Self>; 3] {
+        if layout == Layout::Nhwc
+            && channels_last_norm::enabled()
+            && let Some(out) = channels_last_norm::grad(&x, &gamma, &mean, &inv_std, &dy)
+        {
+            return out;
+        }
+        let cudnn = || norm_grad(&x, &gamma, &mean, &inv_std, &dy, epsilon, layout);
+        match norm_through_cudnn(cudnn) {
+            Some(out) => out,
+            None => grad_reference::<Self>(x, gamma, mean, inv_std, dy, layout),
+        }
+    }
+}
+
+/// On a GPU only (`cargo test --release -- --ignored cudnn_batch_norm`, or the test
+/// binary with `--ignored` on a GPU machine): cuDNN against Burn's operations, through
+/// autodiff and the fusion stream, in both layouts and every precision.
+#[cfg(test)]
+mod tests {
+    use super::super::probe;
+    use super::*;
+    use crate::test_util::rel_diff;
+    use burn::backend::Autodiff;
+    use burn::backend::cuda::{Cuda, CudaDevice};
+    use burn::tensor::{Distribution, FloatDType, Tensor as T};
+
+    type B = Autodiff<Cuda>;
+
+    fn normal(mean: f64, std: f64) -> Distribution {
+        Distribution::Normal(mean, std)
+    }
+
+    /// Which kernels a [`norm`] runs on.
+    #[derive(Debug, Clone, Copy, PartialEq)]
+    enum Kernels {
+        Burn,
+        Cudnn,
+        ChannelsLast,
+    }
+
+    /// Batch norm's output, statistics and gradients through autodiff and fusion, on
+    /// an input of mean `center` in `layout` and `dtype` (the parameters and
+    /// statistics are f32).
+    fn norm(
+        kernels: Kernels,
+        layout: Layout,
+        dtype: FloatDType,
+        [batch, channels]: [usize; 2],
+        center: f64,
+    ) -> Vec<Vec<f32>> {
+        set_batch_norm(kernels == Kernels::Cudnn);
+        channels_last_norm::set_enabled(kernels == Kernels::ChannelsLast);
+        let dev = CudaDevice::new(0);
+        <B as burn::tensor::backend::Backend>::seed(&dev, 11);
+        let x = T::<B, 4>::random([batch, channels, 7, 9], normal(center, 2.0), &dev);
+        let x = match layout {
+            Layout::Nchw => x.cast(dtype),
+            Layout::Nhwc => x.cast(dtype).permute([0, 2, 3, 1]),
+        };
+        let gamma = T::<B, 1>::random([channels], normal(1.0, 0.5), &dev);
+        let beta = T::<B, 1>::random([channels], normal(0.0, 0.5), &dev);
+        let (x, gamma, beta) = (x.require_grad(), gamma.require_grad(), beta.require_grad());
+        let p = |t: T<B, 1>| t.into_primitive().tensor();
+        let [y, mean, inv_std] = B::batch_norm_train(
+            x.clone().into_primitive().tensor(),
+            p(gamma.clone()),
+            p(beta.clone()),
+            1e-5,
+            layout,
+        );
+        let y = T::<B, 4>::from_primitive(burn::tensor::TensorPrimitive::Float(y));
+        assert_eq!(y.dtype(), dtype.into());
+        let stat = |t| T::<B, 1>::from_primitive(burn::tensor::TensorPrimitive::Float(t));
+        let n = y.shape().num_elements() as i64;
+        let weights = T::<B, 1, burn::tensor::Int>::arange(0..n, &dev)
+            .float()
+            .reshape(y.shape())
+            / n as f32;
+        let grads = (y.clone().cast(FloatDType::F32) * weights).sum().backward();
+        let v = |t: burn::tensor::TensorData| t.convert::<f32>().to_vec::<f32>().unwrap();
+        vec![
+            v(y.into_data()),
+            v(stat(mean).into_data()),
+            v(stat(inv_std).into_data()),
+            v(x.grad(&grads).unwrap().into_data()),
+            v(gamma.grad(&grads).unwrap().into_data()),
+            v(beta.grad(&grads).unwrap().into_data()),
+        ]
+    }
+
+    /// `kernels` against Burn's operations, per case `(layout, dtype, tolerance)`, on
+    /// inputs of each of `shapes` (`[batch, channels]`, 7x9 pixels) and of mean
+    /// `center`.
+    fn compare(
+        kernels: Kernels,
+        cases: &[(Layout, FloatDType, f32)],
+        shapes: &[[usize; 2]],
+        center: f64,
+    ) {
+        let names = [
+            "output",
+            "mean",
+            "inverse deviation",
+            "x grad",
+            "gamma grad",
+            "beta grad",
+        ];
+        for &(layout, dtype, tol) in cases {
+            for &shape in shapes {
+                let ours = norm(kernels, layout, dtype, shape, center);
+                let burn = norm(Kernels::Burn, layout, dtype, shape, center);
+                let c = shape[1];
+                for (name, (a, b)) in names.iter().zip(ours.iter().zip(&burn)) {
+                    let rel = rel_diff(a, b);
+                    assert!(
+                        rel < tol,
+                        "{kernels:?} {layout:?} {dtype:?} {c} channels, mean {center}: {name} \
+                         differs by {rel} relative"
+                    );
+                }
+            }
+        }
+        set_batch_norm(false);
+        channels_last_norm::set_enabled(false);
+    }
+
+    /// Both sides compute in f32 and round the output and input gradient to bf16.
+    const CHANNELS_LAST: [(Layout, FloatDType, f32); 3] = [
+        (Layout::Nhwc, FloatDType::F32, 1e-3),
+        (Layout::Nhwc, FloatDType::BF16, 2e-2),
+        (Layout::Nhwc, FloatDType::F16, 5e-3),
+    ];
+
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn channels_last_kernels_match_burns_operations_on_the_gpu() {
+        // No vector, vectors of 8 in two cubes of columns, the last cut short, more
+        // parts of partial sums than the finishing cube has rows of threads (32,256
+        // rows), and an input whose mean is far from zero against its spread.
+        let shapes = [[6, 5], [6, 16], [6, 520], [512, 16]];
+        compare(Kernels::ChannelsLast, &CHANNELS_LAST, &shapes, 1.0);
+        compare(
+            Kernels::ChannelsLast,
+            &CHANNELS_LAST[..1],
+            &[[6, 16]],
+            300.0,
+        );
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA GPU and cuDNN"]
+    fn cudnn_batch_norm_matches_burns_operations_on_the_gpu() {
+        probe(0).expect("cuDNN should load on this machine");
+        probe_batch_norm().expect("cuDNN should have batch norm");
+        let cases = [
+            (Layout::Nchw, FloatDType::F32, 1e-3),
+            (Layout::Nhwc, FloatDType::F32, 1e-3),
+            // Both sides compute in f32 and round the output and input gradient to bf16.
+            (Layout::Nhwc, FloatDType::BF16, 2e-2),
+            (Layout::Nhwc, FloatDType::F16, 5e-3),
+        ];
+        // An odd channel count and one cuDNN's NHWC kernels can vectorise.
+        compare(Kernels::Cudnn, &cases, &[[6, 5], [6, 16]], 1.0);
+    }
+}

@@ -1,0 +1,46 @@
+//! Everything that exists only for CUDA, behind one entry point: [`configure`] routes
+//! the backend extensions (`ops`) to the kernels a run asked for, and the `impl`s in
+//! these modules put them behind Burn's CUDA backend and its fusion stream.
+//!
+//! - `cudnn/`: cuDNN's convolutions and batch normalisation (probe, handles, legacy
+//!   calls, the graph API);
+//! - `channels_last_norm`, `sgd`: kiln's own cubecl kernels;
+//! - `nccl`: collectives of device buffers across GPUs and processes;
+//! - `pinned`: uploads from page-locked host memory;
+//! - `kiln_stream`, `cubecl_stream`, `stream_order`: how kiln's GPU work is queued in
+//!   order with cubecl's;
+//! - `fusion`: each extension as one custom operation of Burn's fusion stream.
+
+pub mod channels_last_norm;
+mod cubecl_stream;
+pub mod cudnn;
+mod fusion;
+mod kiln_stream;
+pub mod nccl;
+pub mod pinned;
+mod sgd;
+mod stream_order;
+
+pub(crate) use kiln_stream::kiln_waits;
+
+/// Which kernels the CUDA backend's extensions run; set once, before the first
+/// training step.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Routing {
+    /// Convolutions on cuDNN (after [`cudnn::probe`] succeeded).
+    pub cudnn_convolutions: bool,
+    /// BatchNorm's training pass on cuDNN (after [`cudnn::probe_batch_norm`]).
+    pub cudnn_batch_norm: bool,
+    /// Channels-last BatchNorm on kiln's own kernels, ahead of cuDNN.
+    pub channels_last_norm: bool,
+    /// Batches uploaded from page-locked memory.
+    pub pinned_uploads: bool,
+}
+
+/// Routes the extensions as `routing` says.
+pub fn configure(routing: Routing) {
+    cudnn::set_convolutions(routing.cudnn_convolutions);
+    cudnn::set_batch_norm(routing.cudnn_batch_norm);
+    channels_last_norm::set_enabled(routing.channels_last_norm);
+    pinned::set_pinned(routing.pinned_uploads);
+}

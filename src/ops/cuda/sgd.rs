@@ -1,0 +1,295 @@
+//! [`SgdBackend`] on CUDA: one kernel steps up to 32 parameters of one vector width (a
+//! cubecl `Sequence` of tensors, one cube row per parameter), a handful of launches per
+//! model instead of about nine tensor operations per parameter.
+
+use std::collections::BTreeMap;
+
+use burn::cubecl::cuda::CudaRuntime;
+use burn::tensor::DType;
+use burn::tensor::ops::FloatTensor;
+use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
+use burn_cubecl::tensor::CubeTensor;
+use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
+use cubecl::prelude::*;
+
+use super::channels_last_norm::widest_vector;
+use crate::ops::sgd::{SgdBackend, SgdStep, Stepped, step_reference};
+
+/// Parameters stepped by one launch at most: each brings five buffers (three read,
+/// two written) to the kernel's arguments, and each its branch to the kernel's code.
+const GROUP: usize = 32;
+
+/// One SGD step of up to [`GROUP`] parameters of one vector width: cube row `y`
+/// steps parameter `y` (a branch per parameter, unrolled: a sequence is indexed at
+/// compile time), its cubes striding over its elements. Weight decay, momentum,
+/// update, in Burn's `Sgd`'s order. `velocities` is empty on the first step with
+/// momentum; both velocity sequences are empty without momentum.
+#[cube(launch)]
+fn sgd_group_kernel<N: Size>(
+    params: &Sequence<Tensor<Vector<f32, N>>>,
+    grads: &Sequence<Tensor<Vector<f32, N>>>,
+    velocities: &Sequence<Tensor<Vector<f32, N>>>,
+    new_params: &mut Sequence<Tensor<Vector<f32, N>>>,
+    new_velocities: &mut Sequence<Tensor<Vector<f32, N>>>,
+    lens: &Sequence<usize>,
+    lr: f32,
+    momentum: f32,
+    dampening: f32,
+    weight_decay: f32,
+    #[comptime] decay: bool,
+    #[comptime] with_momentum: bool,
+    #[comptime] first: bool,
+    #[comptime] nesterov: bool,
+) {
+    let count = comptime![params.len()];
+    let stride = CUBE_COUNT_X as usize * CUBE_DIM_X as usize;
+    #[unroll]
+    for t in 0..count {
+        if CUBE_POS_Y as usize == t {
+            let len = lens[t];
+            let mut i = ABSOLUTE_POS_X as usize;
+            while i < len {
+                let p = params.index(t)[i];
+                let mut g = grads.index(t)[i];
+                if comptime!(decay) {
+                    g = p * Vector::new(weight_decay) + g;
+                }
+                if comptime!(with_momentum) {
+                    let mut v = g;
+                    if comptime!(!first) {
+                        v = g * Vector::new(f32::new(1.0) - dampening)
+                            + velocities.index(t)[i] * Vector::new(momentum);
+                    }
+                    new_velocities.index_mut(t)[i] = v;
+                    if comptime!(nesterov) {
+                        g = v * Vector::new(momentum) + g;
+                    } else {
+                        g = v;
+                    }
+                }
+                new_params.index_mut(t)[i] = p - g * Vector::new(lr);
+                i += stride;
+            }
+        }
+    }
+}
+
+/// Threads per cube of [`sgd_group_kernel`].
+const THREADS: u32 = 256;
+
+/// A contiguous f32 tensor of `t`'s shape on its device.
+fn empty_like<R: CubeRuntime>(t: &CubeTensor<R>) -> CubeTensor<R> {
+    empty_device_contiguous_dtype(
+        t.client.clone(),
+        t.device.clone(),
+        t.meta.shape().clone(),
+        DType::F32,
+    )
+}
+
+/// Steps every parameter, up to [`GROUP`] in one launch among those of one vector
+/// width and with or without a velocity: a handful of launches per model instead
+/// of one per parameter (161 for ResNet-50).
+fn step_grouped<R: CubeRuntime>(
+    params: Vec<CubeTensor<R>>,
+    grads: Vec<CubeTensor<R>>,
+    velocities: Vec<Option<CubeTensor<R>>>,
+    step: SgdStep,
+) -> (Vec<CubeTensor<R>>, Vec<Option<CubeTensor<R>>>) {
+    let n = params.len();
+    let with_momentum = step.momentum > 0.0;
+    let parts: Vec<_> = params
+        .into_iter()
+        .zip(grads)
+        .zip(velocities)
+        .map(|((p, g), v)| {
+            let vector = widest_vector(
+                p.client.io_optimized_vector_sizes(DType::F32.size()),
+                p.meta.shape().num_elements(),
+            );
+            (
+                into_contiguous(p),
+                into_contiguous(g),
+                v.map(into_contiguous),
+                vector,
+            )
+        })
+        .collect();
+    // Ordered, so that the launches come in the same order every step.
+    let mut groups: BTreeMap<(usize, bool), Vec<usize>> = BTreeMap::new();
+    for (i, (_, _, v, vector)) in parts.iter().enumerate() {
+        groups.entry((*vector, v.is_some())).or_default().push(i);
+    }
+    let mut new_params: Vec<Option<CubeTensor<R>>> = vec![None; n];
+    let mut new_velocities: Vec<Option<CubeTensor<R>>> = vec![None; n];
+    for ((vector, has_velocity), members) in groups {
+        for chunk in members.chunks(GROUP) {
+            let client = parts[chunk[0]].0.client.clone();
+            let (mut p_in, mut g_in, mut v_in) =
+                (SequenceArg::new(), SequenceArg::new(), SequenceArg::new());
+            let (mut p_out, mut v_out, mut lens) =
+                (SequenceArg::new(), SequenceArg::new(), SequenceArg::new());
+            let mut longest = 0;
+            for &i in chunk {
+                let (p, g, v, _) = &parts[i];
+                let len = p.meta.shape().num_elements() / vector;
+                longest = longest.max(len);
+                lens.push(len);
+                let new_p = empty_like(p);
+                p_in.push(p.clone().into_tensor_arg());
+                g_in.push(g.clone().into_tensor_arg());
+                p_out.push(new_p.clone().into_tensor_arg());
+                new_params[i] = Some(new_p);
+                // Without momentum the kernel reads and writes no velocity.
+                if with_momentum {
+                    if let Some(v) = v {
+                        v_in.push(v.clone().into_tensor_arg());
+                    }
+                    let new_v = empty_like(p);
+                    v_out.push(new_v.clone().into_tensor_arg());
+                    new_velocities[i] = Some(new_v);
+                }
+            }
+            // Enough cubes for the longest parameter up to a bound; past it the
+            // cubes stride.
+            let cubes = longest.div_ceil(THREADS as usize).clamp(1, 256) as u32;
+            sgd_group_kernel::launch::<R>(
+                &client,
+                CubeCount::Static(cubes, chunk.len() as u32, 1),
+                CubeDim::new_1d(THREADS),
+                vector,
+                p_in,
+                g_in,
+                v_in,
+                p_out,
+                v_out,
+                lens,
+                step.lr as f32,
+                step.momentum as f32,
+                step.dampening as f32,
+                step.weight_decay as f32,
+                step.weight_decay > 0.0,
+                with_momentum,
+                !has_velocity,
+                step.nesterov,
+            );
+        }
+    }
+    let params = new_params
+        .into_iter()
+        .map(|p| p.expect("every parameter is in one group"))
+        .collect();
+    (params, new_velocities)
+}
+
+impl<F: FloatElement, I: IntElement, BT: BoolElement> SgdBackend
+    for CubeBackend<CudaRuntime, F, I, BT>
+{
+    fn sgd_step(
+        params: Vec<FloatTensor<Self>>,
+        grads: Vec<FloatTensor<Self>>,
+        velocities: Vec<Option<FloatTensor<Self>>>,
+        step: SgdStep,
+    ) -> Stepped<Self> {
+        let fits = params
+            .iter()
+            .zip(&grads)
+            .zip(&velocities)
+            .all(|((p, g), v)| {
+                let same = |t: &CubeTensor<CudaRuntime>| {
+                    t.dtype == DType::F32 && t.meta.shape() == p.meta.shape()
+                };
+                same(p) && same(g) && v.as_ref().is_none_or(same)
+            });
+        if !fits {
+            return step_reference::<Self>(params, grads, velocities, step);
+        }
+        step_grouped(params, grads, velocities, step)
+    }
+}
+
+/// On a GPU only (`--ignored`): the CUDA kernels against Burn's operations.
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops::sgd::{SgdStep, step_reference};
+    use burn::tensor::backend::Backend;
+    use burn::tensor::ops::FloatTensor;
+    use burn::tensor::{Tensor, TensorPrimitive};
+
+    fn tensor<B: Backend>(t: FloatTensor<B>) -> Tensor<B, 1> {
+        Tensor::from_primitive(TensorPrimitive::Float(t))
+    }
+    use crate::test_util::rel_diff;
+    use burn::backend::cuda::{Cuda, CudaDevice};
+    use burn::tensor::Distribution;
+
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn sgd_kernels_match_burns_operations_on_the_gpu() {
+        let dev = CudaDevice::new(0);
+        // Shapes of no vector width, of vectors, a convolution weight's, and more of
+        // one width than one launch steps.
+        let mut shapes = vec![vec![5], vec![64], vec![32, 16, 3, 3], vec![7, 3]];
+        shapes.extend((0..40).map(|i| vec![8 * (i + 1)]));
+        let inputs = |seed: u64| {
+            <Cuda as Backend>::seed(&dev, seed);
+            let make = || {
+                shapes
+                    .iter()
+                    .map(|s| {
+                        let n = s.iter().product::<usize>();
+                        Tensor::<Cuda, 1>::random([n], Distribution::Normal(0.0, 1.0), &dev)
+                            .into_primitive()
+                            .tensor()
+                    })
+                    .collect::<Vec<_>>()
+            };
+            (make(), make(), make())
+        };
+        let values = |t: FloatTensor<Cuda>| tensor::<Cuda>(t).into_data().to_vec::<f32>().unwrap();
+        for (momentum, nesterov, weight_decay, first) in [
+            (0.9, false, 5e-4, true),
+            (0.9, false, 5e-4, false),
+            (0.9, true, 5e-4, false),
+            (0.0, false, 5e-4, true),
+            (0.9, false, 0.0, false),
+        ] {
+            let step = SgdStep {
+                lr: 0.1,
+                momentum,
+                dampening: 0.0,
+                nesterov,
+                weight_decay,
+            };
+            let run = |kernels: bool| {
+                let (p, g, v) = inputs(9);
+                let v = v.into_iter().map(|v| (!first).then_some(v)).collect();
+                if kernels {
+                    <Cuda as SgdBackend>::sgd_step(p, g, v, step)
+                } else {
+                    step_reference::<Cuda>(p, g, v, step)
+                }
+            };
+            let ((p1, v1), (p2, v2)) = (run(true), run(false));
+            for (a, b) in p1.into_iter().zip(p2) {
+                let rel = rel_diff(&values(a), &values(b));
+                assert!(
+                    rel < 1e-6,
+                    "{step:?} first {first}: parameters differ by {rel}"
+                );
+            }
+            for (a, b) in v1.into_iter().zip(v2) {
+                assert_eq!(a.is_some(), b.is_some(), "{step:?}: velocities");
+                if let (Some(a), Some(b)) = (a, b) {
+                    let rel = rel_diff(&values(a), &values(b));
+                    assert!(
+                        rel < 1e-6,
+                        "{step:?} first {first}: velocities differ by {rel}"
+                    );
+                }
+            }
+        }
+    }
+}
