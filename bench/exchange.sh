@@ -25,5 +25,12 @@ if [ "$GPUS" -gt 1 ]; then
   done
   ktrain two train --config configs/resnet.toml --devices "$all"
   ktrain launch-two launch --config configs/resnet.toml
+  # A GPU failing in the middle of the exchange: the supervisor finishes on the others.
+  F=(--config configs/resnet.toml --devices "$all" --set train.epochs=3 --set checkpoint.every_steps=100 --set faults.device=1 --set faults.step=300)
+  ktrain fail-error train "${F[@]}" --set faults.inject=error
+  ktrain fail-hang train "${F[@]}" --set faults.inject=hang --set watchdog.hang_timeout_s=30
+  # A rank killed with SIGKILL under kiln launch, after its first checkpoint.
+  ( sleep 45; pkill -KILL -n -f "kiln train .*launch-kill" ) &
+  ktrain launch-kill launch --config configs/resnet.toml --set train.epochs=3 --set checkpoint.every_steps=100
 fi
 [ -n "${KEEP:-}" ] || finish

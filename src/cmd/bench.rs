@@ -152,8 +152,18 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
                 .map(|ms| format!("{ms:.2}"))
                 .collect();
             crate::out!(
-                "  busy per device   {} ms per step (the rest: the main thread's serial part)",
+                "  busy per device   {} ms per step (forward and backward, synchronised steps)",
                 busy.join(" | ")
+            );
+        }
+        if let Some(x) = &report.exchange {
+            crate::out!(
+                "  gradient exchange {}: {:.2} ms per device on {} synchronised steps, {:.0}% of the mean step (forward and backward {:.2} ms)",
+                x.engine,
+                x.exchange_ms,
+                x.timed_steps,
+                x.share_of_step * 100.0,
+                x.compute_ms
             );
         }
         if let Some(mib) = memory {

@@ -36,16 +36,31 @@ impl Batch {
             "shard sizes must cover the batch"
         );
         let per = c * h * w;
-        let mut out = Vec::with_capacity(sizes.len());
-        let mut lo = 0;
-        for &k in sizes {
-            out.push(Batch {
+        let Some((&first, rest)) = sizes.split_first() else {
+            return Vec::new();
+        };
+        // The first shard keeps the batch's own buffers (truncated, no copy); the
+        // others are copied out of them first. One shard: nothing is copied.
+        let mut others = Vec::with_capacity(rest.len());
+        let mut lo = first;
+        for &k in rest {
+            others.push(Batch {
                 images: self.images[lo * per..(lo + k) * per].to_vec(),
                 labels: self.labels[lo..lo + k].to_vec(),
                 shape: [k, c, h, w],
             });
             lo += k;
         }
+        let (mut images, mut labels) = (self.images, self.labels);
+        images.truncate(first * per);
+        labels.truncate(first);
+        let mut out = Vec::with_capacity(sizes.len());
+        out.push(Batch {
+            images,
+            labels,
+            shape: [first, c, h, w],
+        });
+        out.extend(others);
         out
     }
 }

@@ -74,6 +74,14 @@ pub trait CollectiveBackend: Backend {
         unreachable!("a communicator exists only on backends with device collectives")
     }
 
+    /// Each of `xs` summed element-wise over every member of `comm`, all through one
+    /// buffer and one collective: the inputs are copied into it, the results keep
+    /// their shapes (on CUDA, views into the buffer). All of one float dtype.
+    fn all_reduce_many(xs: Vec<FloatTensor<Self>>, comm: &Comm) -> Vec<FloatTensor<Self>> {
+        let _ = (xs, comm);
+        unreachable!("a communicator exists only on backends with device collectives")
+    }
+
     /// Rank `root`'s `x` on every member of `comm`.
     fn broadcast(x: FloatTensor<Self>, comm: &Comm, root: usize) -> FloatTensor<Self> {
         let _ = (x, comm, root);

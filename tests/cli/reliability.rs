@@ -696,7 +696,7 @@ fn bad_inputs_end_in_clear_errors_never_a_panic() {
                 s("-1"),
             ],
             2,
-            "--max-restarts",
+            "unexpected argument '-1'",
         ),
         (
             vec![s("eval"), s("--run"), p(&not_run)],

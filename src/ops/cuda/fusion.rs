@@ -338,12 +338,20 @@ impl<B: FusionBackend + UploadBackend> UploadBackend for Fusion<B> {
     }
 }
 
+/// Which collective a [`CollectiveOp`] runs.
+#[derive(Debug, Clone, Copy)]
+enum Collective {
+    AllReduce,
+    /// Every input through one buffer and one collective.
+    AllReduceMany,
+    Broadcast(usize),
+}
+
 #[derive(Debug)]
 struct CollectiveOp<B> {
     desc: CustomOpIr,
     comm: Comm,
-    /// `None`: an all-reduce; `Some(root)`: a broadcast from `root`.
-    root: Option<usize>,
+    kind: Collective,
     _backend: PhantomData<B>,
 }
 
@@ -352,30 +360,37 @@ impl<B: FusionBackend + CollectiveBackend> Operation<B::FusionRuntime> for Colle
         &self,
         handles: &mut HandleContainer<<B::FusionRuntime as FusionRuntime>::FusionHandle>,
     ) {
-        let x = handles.get_float_tensor::<B>(&self.desc.inputs[0]);
-        let out = match self.root {
-            None => B::all_reduce_sum(x, &self.comm),
-            Some(root) => B::broadcast(x, &self.comm, root),
+        let mut inputs: Vec<_> = self
+            .desc
+            .inputs
+            .iter()
+            .map(|t| handles.get_float_tensor::<B>(t))
+            .collect();
+        let outs = match self.kind {
+            Collective::AllReduce => vec![B::all_reduce_sum(inputs.remove(0), &self.comm)],
+            Collective::Broadcast(root) => vec![B::broadcast(inputs.remove(0), &self.comm, root)],
+            Collective::AllReduceMany => B::all_reduce_many(inputs, &self.comm),
         };
-        handles.register_float_tensor::<B>(&self.desc.outputs[0].id, out);
+        for (out, t) in self.desc.outputs.iter().zip(outs) {
+            handles.register_float_tensor::<B>(&out.id, t);
+        }
     }
 }
 
 fn register_collective<B: FusionBackend + CollectiveBackend>(
     name: &'static str,
-    x: FloatTensor<Fusion<B>>,
+    xs: Vec<FloatTensor<Fusion<B>>>,
     comm: &Comm,
-    root: Option<usize>,
-) -> FloatTensor<Fusion<B>> {
-    let out = (x.shape.clone(), x.dtype);
+    kind: Collective,
+) -> Vec<FloatTensor<Fusion<B>>> {
+    let outs = xs.iter().map(|x| (x.shape.clone(), x.dtype)).collect();
     let comm = comm.clone();
-    register::<B, _>(name, vec![x], vec![out], |desc| CollectiveOp::<B> {
+    register::<B, _>(name, xs, outs, |desc| CollectiveOp::<B> {
         desc,
         comm,
-        root,
+        kind,
         _backend: PhantomData,
     })
-    .output()
 }
 
 /// Collectives as operations of the fusion stream, so they run in order with the
@@ -404,11 +419,19 @@ impl<B: FusionBackend + CollectiveBackend> CollectiveBackend for Fusion<B> {
     }
 
     fn all_reduce_sum(x: FloatTensor<Self>, comm: &Comm) -> FloatTensor<Self> {
-        register_collective::<B>("kiln_all_reduce", x, comm, None)
+        let mut out =
+            register_collective::<B>("kiln_all_reduce", vec![x], comm, Collective::AllReduce);
+        out.remove(0)
+    }
+
+    fn all_reduce_many(xs: Vec<FloatTensor<Self>>, comm: &Comm) -> Vec<FloatTensor<Self>> {
+        register_collective::<B>("kiln_all_reduce_many", xs, comm, Collective::AllReduceMany)
     }
 
     fn broadcast(x: FloatTensor<Self>, comm: &Comm, root: usize) -> FloatTensor<Self> {
-        register_collective::<B>("kiln_broadcast", x, comm, Some(root))
+        let kind = Collective::Broadcast(root);
+        let mut out = register_collective::<B>("kiln_broadcast", vec![x], comm, kind);
+        out.remove(0)
     }
 
     fn flush(device: &Self::Device) {

@@ -277,6 +277,102 @@ fn collective(
     CubeTensor::new_contiguous(client, x.device.clone(), Shape::new([count]), out, dtype)
 }
 
+/// Sums `xs` over `comm` through one buffer: each input copied (device to device) to
+/// its own aligned place in it, one all-reduce in place, and the results returned as
+/// views of the buffer with the inputs' shapes. One collective and no tensor operation
+/// per gradient: a ResNet step's 60-160 gradients cost a handful of copies queued by
+/// one host call, not hundreds of operations.
+fn all_reduce_many(xs: Vec<CubeTensor<CudaRuntime>>, comm: &Comm) -> Vec<CubeTensor<CudaRuntime>> {
+    let c = nccl_comm(comm);
+    let xs: Vec<CubeTensor<CudaRuntime>> = xs.into_iter().map(into_contiguous).collect();
+    let Some(first) = xs.first() else {
+        return Vec::new();
+    };
+    let (client, device, dtype) = (first.client.clone(), first.device.clone(), first.dtype);
+    let align = client.properties().memory.alignment as usize;
+    let sizes: Vec<usize> = xs
+        .iter()
+        .map(|x| x.meta.shape().num_elements() * dtype.size())
+        .collect();
+    let mut offsets = Vec::with_capacity(sizes.len());
+    let mut total = 0usize;
+    for &n in &sizes {
+        offsets.push(total);
+        total += n.next_multiple_of(align);
+    }
+    let bucket = client.empty(total);
+    let buffers: Vec<Option<&burn::cubecl::server::Handle>> = std::iter::once(Some(&bucket))
+        .chain(xs.iter().map(|x| Some(&x.handle)))
+        .collect();
+    let queued = match (
+        data_type(dtype),
+        c.live(),
+        xs.iter().all(|x| x.dtype == dtype),
+    ) {
+        (_, _, false) => Err("the tensors of one bucket differ in dtype".to_string()),
+        (None, _, _) => Err(format!("no NCCL type for {dtype:?}")),
+        (_, None, _) => Err("the communicator was aborted".into()),
+        (Some(t), Some(_), true) => on_kiln_stream_as(
+            &client,
+            device.index,
+            &buffers,
+            LibraryCall::Collective,
+            |stream, p| {
+                for ((&off, &n), src) in offsets.iter().zip(&sizes).zip(&p[1..]) {
+                    // SAFETY: `p[0]` holds `total` bytes, of which `off..off + n` is this
+                    // input's place; `src` holds `n` bytes; both on this device, ordered
+                    // on `stream`.
+                    unsafe {
+                        cudarc::driver::sys::cuMemcpyDtoDAsync_v2(
+                            p[0] as u64 + off as u64,
+                            *src as u64,
+                            n,
+                            stream,
+                        )
+                    }
+                    .result()
+                    .map_err(|e| format!("copying into the bucket: {e:?}"))?;
+                }
+                let count = total / dtype.size();
+                // SAFETY: in place on `p[0]`, `count` elements of `t` (the padding
+                // between places is summed too and never read).
+                unsafe {
+                    nccl::all_reduce(
+                        p[0],
+                        p[0],
+                        count,
+                        t,
+                        sys::ncclRedOp_t::ncclSum,
+                        c.comm,
+                        stream as sys::cudaStream_t,
+                    )
+                }
+                .map(|_| ())
+                .map_err(|e| describe(e.0))
+            },
+        ),
+    };
+    if let Err(e) = queued {
+        c.fail("all-reduce", e);
+    }
+    xs.iter()
+        .zip(offsets.iter().zip(&sizes))
+        .map(|(x, (&off, &n))| {
+            let view = bucket
+                .clone()
+                .offset_start(off as u64)
+                .offset_end((total - off - n) as u64);
+            CubeTensor::new_contiguous(
+                client.clone(),
+                device.clone(),
+                x.meta.shape().clone(),
+                view,
+                dtype,
+            )
+        })
+        .collect()
+}
+
 impl<F: FloatElement, I: IntElement, BT: BoolElement> CollectiveBackend
     for CubeBackend<CudaRuntime, F, I, BT>
 {
@@ -309,6 +405,10 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> CollectiveBackend
     fn broadcast(x: FloatTensor<Self>, comm: &Comm, root: usize) -> FloatTensor<Self> {
         let shape = x.meta.shape().clone();
         reshaped(collective(x, comm, Collective::Broadcast(root)), shape)
+    }
+
+    fn all_reduce_many(xs: Vec<FloatTensor<Self>>, comm: &Comm) -> Vec<FloatTensor<Self>> {
+        all_reduce_many(xs, comm)
     }
 }
 
@@ -357,6 +457,33 @@ mod tests {
             }
             assert_eq!(comms[0].error(), None);
         }
+        // Many tensors of several shapes through one bucket: each comes back whole.
+        let shapes: [&[usize]; 3] = [&[5], &[3, 7], &[2, 3, 3, 4]];
+        let xs: Vec<Tensor<Cuda, 1>> = shapes
+            .iter()
+            .enumerate()
+            .map(|(k, s)| {
+                let n: usize = s.iter().product();
+                let v: Vec<f32> = (0..n).map(|i| (k * 1000 + i) as f32).collect();
+                Tensor::<Cuda, 1>::from_data(TensorData::new(v, [n]), &dev)
+            })
+            .collect();
+        let expected: Vec<Vec<f32>> = xs
+            .iter()
+            .map(|x| x.clone().into_data().to_vec::<f32>().unwrap())
+            .collect();
+        let prims = xs
+            .into_iter()
+            .map(|x| x.into_primitive().tensor())
+            .collect();
+        let outs = <Cuda as CollectiveBackend>::all_reduce_many(prims, &comms[0]);
+        <Cuda as CollectiveBackend>::flush(&dev);
+        assert_eq!(outs.len(), 3);
+        for (out, e) in outs.into_iter().zip(expected) {
+            let t = Tensor::<Cuda, 1>::from_primitive(TensorPrimitive::Float(out));
+            assert_eq!(t.into_data().to_vec::<f32>().unwrap(), e);
+        }
+        assert_eq!(comms[0].error(), None);
         comms[0].abort();
         assert!(comms[0].error().unwrap().contains("aborted"));
     }

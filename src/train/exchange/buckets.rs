@@ -9,7 +9,8 @@ use std::ops::Range;
 use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{DType, FloatDType, Tensor};
+use burn::tensor::ops::{FloatTensor, FloatTensorOps};
+use burn::tensor::{DType, FloatDType, Shape, Tensor, TensorMetadata, TensorPrimitive};
 
 use super::{Exchange, ExchangeError};
 
@@ -99,36 +100,60 @@ impl BucketPlan {
     }
 }
 
-/// The gradient of `id` (of dimensions `dims`) as a flat tensor, or zeros where this
-/// replica has none, so every replica sends buffers of the same lengths.
-fn take_flat<B: Backend>(
+/// The gradient of `id` (of dimensions `dims`), rank-erased, or zeros where this
+/// replica has none, so every replica sends tensors of the same sizes.
+fn take<B: Backend>(
     grads: &mut GradientsParams,
     id: ParamId,
     dims: &[usize],
     device: &B::Device,
-) -> Tensor<B, 1> {
-    let n = numel(dims);
-    let flat = match dims.len() {
-        1 => grads.remove::<B, 1>(id).map(|t| t.reshape([n])),
-        2 => grads.remove::<B, 2>(id).map(|t| t.reshape([n])),
-        3 => grads.remove::<B, 3>(id).map(|t| t.reshape([n])),
-        4 => grads.remove::<B, 4>(id).map(|t| t.reshape([n])),
-        5 => grads.remove::<B, 5>(id).map(|t| t.reshape([n])),
+) -> FloatTensor<B> {
+    fn one<B: Backend, const D: usize>(
+        grads: &mut GradientsParams,
+        id: ParamId,
+        dims: &[usize],
+        device: &B::Device,
+    ) -> FloatTensor<B> {
+        let dims: [usize; D] = dims.try_into().expect("the parameter's rank");
+        grads
+            .remove::<B, D>(id)
+            .unwrap_or_else(|| Tensor::zeros(dims, device))
+            .into_primitive()
+            .tensor()
+    }
+    match dims.len() {
+        1 => one::<B, 1>(grads, id, dims, device),
+        2 => one::<B, 2>(grads, id, dims, device),
+        3 => one::<B, 3>(grads, id, dims, device),
+        4 => one::<B, 4>(grads, id, dims, device),
+        5 => one::<B, 5>(grads, id, dims, device),
         d => unreachable!("kiln's models have parameters of rank 1 to 5, not {d}"),
-    };
-    flat.unwrap_or_else(|| Tensor::zeros([n], device))
+    }
 }
 
-/// Registers `flat` as the gradient of `id`, shaped as `dims`.
-fn put<B: Backend>(grads: &mut GradientsParams, id: ParamId, dims: &[usize], flat: Tensor<B, 1>) {
-    match *dims {
-        [a] => grads.register::<B, 1>(id, flat.reshape([a])),
-        [a, b] => grads.register::<B, 2>(id, flat.reshape([a, b])),
-        [a, b, c] => grads.register::<B, 3>(id, flat.reshape([a, b, c])),
-        [a, b, c, d] => grads.register::<B, 4>(id, flat.reshape([a, b, c, d])),
-        [a, b, c, d, e] => grads.register::<B, 5>(id, flat.reshape([a, b, c, d, e])),
-        _ => unreachable!("kiln's models have parameters of rank 1 to 5"),
+/// Registers `t` (of `dims`) as the gradient of `id`.
+fn put<B: Backend>(grads: &mut GradientsParams, id: ParamId, dims: &[usize], t: FloatTensor<B>) {
+    fn one<B: Backend, const D: usize>(
+        grads: &mut GradientsParams,
+        id: ParamId,
+        t: FloatTensor<B>,
+    ) {
+        grads.register::<B, D>(id, Tensor::from_primitive(TensorPrimitive::Float(t)));
     }
+    match dims.len() {
+        1 => one::<B, 1>(grads, id, t),
+        2 => one::<B, 2>(grads, id, t),
+        3 => one::<B, 3>(grads, id, t),
+        4 => one::<B, 4>(grads, id, t),
+        5 => one::<B, 5>(grads, id, t),
+        d => unreachable!("kiln's models have parameters of rank 1 to 5, not {d}"),
+    }
+}
+
+/// `t` as a 1-D tensor (a view, no copy, for a contiguous `t`).
+pub fn flat<B: Backend>(t: FloatTensor<B>) -> Tensor<B, 1> {
+    let n = t.shape().num_elements();
+    Tensor::from_primitive(TensorPrimitive::Float(B::float_reshape(t, Shape::new([n]))))
 }
 
 /// The piece `offset..offset + n` of `buffer`.
@@ -157,33 +182,55 @@ pub fn sum_grads<B: AutodiffBackend>(
     device: &B::Device,
     during: &str,
 ) -> Result<GradientsParams, ExchangeError> {
-    let buffers: Vec<Tensor<B::InnerBackend, 1>> = plan
+    type Inner<B> = <B as AutodiffBackend>::InnerBackend;
+    let buckets: Vec<Vec<FloatTensor<Inner<B>>>> = plan
         .buckets
         .iter()
         .map(|range| {
-            let pieces = plan.params[range.clone()]
+            plan.params[range.clone()]
                 .iter()
-                .map(|(id, dims)| take_flat::<B::InnerBackend>(&mut grads, *id, dims, device))
-                .collect();
-            let bucket = concat(pieces);
-            match plan.wire {
-                Some(dtype) => bucket.cast(dtype),
-                None => bucket,
-            }
+                .map(|(id, dims)| take::<Inner<B>>(&mut grads, *id, dims, device))
+                .collect()
         })
         .collect();
-    let summed = exchange.all_reduce(buffers, during)?;
+    let summed = match plan.wire {
+        None => exchange.all_reduce_buckets(buckets, during)?,
+        // Rounded for the exchange: each bucket joined, cast, summed, cast back.
+        Some(dtype) => {
+            let joined = buckets
+                .iter()
+                .map(|b| {
+                    let flat = b.iter().map(|t| flat::<Inner<B>>(t.clone())).collect();
+                    concat(flat).cast(dtype)
+                })
+                .collect();
+            let sums = exchange.all_reduce(joined, during)?;
+            sums.into_iter()
+                .zip(&buckets)
+                .map(|(sum, b)| {
+                    let sum = if sum.dtype() == DType::F32 {
+                        sum
+                    } else {
+                        sum.cast(FloatDType::F32)
+                    };
+                    let mut offset = 0;
+                    b.iter()
+                        .map(|t| {
+                            let shape = t.shape();
+                            let n = shape.num_elements();
+                            let p = piece(&sum, offset, n);
+                            offset += n;
+                            Inner::<B>::float_reshape(p.into_primitive().tensor(), shape)
+                        })
+                        .collect()
+                })
+                .collect()
+        }
+    };
     let mut out = GradientsParams::new();
     for (range, bucket) in plan.buckets.iter().zip(summed) {
-        let bucket = match plan.wire {
-            Some(_) if bucket.dtype() != DType::F32 => bucket.cast(FloatDType::F32),
-            _ => bucket,
-        };
-        let mut offset = 0;
-        for (id, dims) in &plan.params[range.clone()] {
-            let n = numel(dims);
-            put(&mut out, *id, dims, piece(&bucket, offset, n));
-            offset += n;
+        for ((id, dims), t) in plan.params[range.clone()].iter().zip(bucket) {
+            put::<Inner<B>>(&mut out, *id, dims, t);
         }
     }
     Ok(out)
@@ -431,15 +478,9 @@ mod tests {
             plan.params
                 .iter()
                 .flat_map(|(id, dims)| {
-                    take_flat::<<TestBackend as AutodiffBackend>::InnerBackend>(
-                        &mut g,
-                        *id,
-                        dims,
-                        &device(),
-                    )
-                    .into_data()
-                    .to_vec::<f32>()
-                    .unwrap()
+                    type Inner = <TestBackend as AutodiffBackend>::InnerBackend;
+                    let t = take::<Inner>(&mut g, *id, dims, &device());
+                    flat::<Inner>(t).into_data().to_vec::<f32>().unwrap()
                 })
                 .collect()
         };

@@ -5,6 +5,7 @@
 //! waits in a collective whose peer still holds its half in a queue.
 
 use burn::tensor::backend::Backend;
+use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Tensor, TensorPrimitive};
 
 use super::{Aborter, Exchange, ExchangeError};
@@ -69,6 +70,25 @@ impl<B: CollectiveBackend> Exchange<B> for DeviceExchange<B> {
         during: &str,
     ) -> Result<Vec<Tensor<B, 1>>, ExchangeError> {
         self.run(buffers, during, None)
+    }
+
+    fn all_reduce_buckets(
+        &mut self,
+        buckets: Vec<Vec<FloatTensor<B>>>,
+        during: &str,
+    ) -> Result<Vec<Vec<FloatTensor<B>>>, ExchangeError> {
+        if let Some(e) = self.comm.error() {
+            return Err(ExchangeError::Failed(format!("{e} (before {during})")));
+        }
+        let out = buckets
+            .into_iter()
+            .map(|b| B::all_reduce_many(b, &self.comm))
+            .collect();
+        B::flush(&self.device);
+        match self.comm.error() {
+            Some(e) => Err(ExchangeError::Failed(format!("{e} (during {during})"))),
+            None => Ok(out),
+        }
     }
 
     fn broadcast(

@@ -24,8 +24,9 @@ pub use tcp::TcpExchange;
 
 use std::sync::Arc;
 
-use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{Shape, Tensor, TensorMetadata};
 
 use super::error::TrainError;
 use crate::collective::Group;
@@ -77,6 +78,53 @@ pub trait Exchange<B: Backend>: Send {
         buffers: Vec<Tensor<B, 1>>,
         during: &str,
     ) -> Result<Vec<Tensor<B, 1>>, ExchangeError>;
+    /// Each bucket's tensors (any shapes, one dtype) summed over every replica, in
+    /// their shapes. By default each bucket is joined into one buffer for
+    /// [`Exchange::all_reduce`] and cut up again; an engine on the devices does it in one
+    /// operation per bucket.
+    fn all_reduce_buckets(
+        &mut self,
+        buckets: Vec<Vec<FloatTensor<B>>>,
+        during: &str,
+    ) -> Result<Vec<Vec<FloatTensor<B>>>, ExchangeError> {
+        let shapes: Vec<Vec<Shape>> = buckets
+            .iter()
+            .map(|b| b.iter().map(|t| t.shape()).collect())
+            .collect();
+        let joined = buckets
+            .into_iter()
+            .map(|b| {
+                let flat: Vec<Tensor<B, 1>> = b.into_iter().map(buckets::flat).collect();
+                if flat.len() == 1 {
+                    flat.into_iter().next().expect("one tensor")
+                } else {
+                    Tensor::cat(flat, 0)
+                }
+            })
+            .collect();
+        let summed = self.all_reduce(joined, during)?;
+        Ok(summed
+            .into_iter()
+            .zip(shapes)
+            .map(|(bucket, shapes)| {
+                let mut offset = 0;
+                shapes
+                    .into_iter()
+                    .map(|shape| {
+                        let n = shape.num_elements();
+                        let piece = if offset == 0 && bucket.dims()[0] == n {
+                            bucket.clone()
+                        } else {
+                            bucket.clone().narrow(0, offset, n)
+                        };
+                        offset += n;
+                        B::float_reshape(piece.into_primitive().tensor(), shape)
+                    })
+                    .collect()
+            })
+            .collect())
+    }
+
     /// Replica 0's buffers on every replica.
     fn broadcast(
         &mut self,
