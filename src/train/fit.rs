@@ -18,7 +18,7 @@ use super::faults::Faults;
 use super::learner::Learner;
 use super::loss_scale::LossScale;
 use super::lr_schedule::{Horizon, lr_at};
-use super::state::TrainState;
+use super::state::{EpochSoFar, TrainState};
 use super::strategy::{self, ReplicaError, StepInput};
 use super::watchdog::Watchdog;
 use crate::collective::Group;
@@ -113,14 +113,12 @@ pub fn fit<B: TrainBackend>(
     state.config_sha256 = cfg.training_hash();
     let mut checkpointer = Checkpointer::new(&cfg.checkpoint, &run_dir, lead);
     // The other ranks' progress would repeat rank 0's: they print notes only.
-    let progress = Progress::new(
-        if lead {
-            cfg.train.log_every_steps
-        } else {
-            u64::MAX
-        },
-        cfg.train.epochs,
-    );
+    let log_every = if lead {
+        cfg.train.log_every_steps
+    } else {
+        u64::MAX
+    };
+    let progress = Progress::new(log_every, cfg.train.epochs);
     let (mut model, mut optim) = (built.model, built.optim);
     if resume {
         (state, model, optim) =
@@ -133,6 +131,7 @@ pub fn fit<B: TrainBackend>(
     let mut learner = Learner::start(model, optim, strategy).map_err(record)?;
     let evaluator = Evaluator::new(&cfg.eval, test);
     let mut usage = UsageSampler::new(usage);
+    let mut first = FirstStep::new(kernel_cache);
 
     let steps_per_epoch = train.batches_per_epoch() as u64;
     if steps_per_epoch == 0 {
@@ -149,15 +148,6 @@ pub fn fit<B: TrainBackend>(
         0 => u64::MAX,
         n => n,
     };
-    let report = |state: &TrainState, status: &str| {
-        if lead {
-            write_reports(&run_dir, state, status)
-        } else {
-            Ok(())
-        }
-    };
-    // Once per process, whether it started fresh or resumed.
-    let mut first_step_pending = true;
     let mut outcome = Outcome::Finished;
 
     'epochs: while state.epoch < cfg.train.epochs {
@@ -165,42 +155,25 @@ pub fn fit<B: TrainBackend>(
             outcome = Outcome::Stopped;
             break;
         }
-        let epoch = state.epoch;
-        let epoch_start = Instant::now();
-        // What a checkpoint inside this epoch kept of it, when the run resumes there.
-        let carried = state
-            .epoch_so_far
-            .take()
-            .filter(|_| state.batch_in_epoch > 0)
-            .unwrap_or_default();
-        progress.start_epoch(epoch, steps_per_epoch, state.batch_in_epoch);
+        let lr = lr_at(&cfg.optim, horizon, state.step);
+        let mut span = EpochSpan::begin(&mut state, lr);
+        progress.start_epoch(span.epoch, steps_per_epoch, state.batch_in_epoch);
         let mut window = (Instant::now(), 0usize);
-        let mut lr = lr_at(&cfg.optim, horizon, state.step);
-        let mut batches = train.epoch(epoch as u64, state.batch_in_epoch as usize);
-        let mut data_wait = 0.0;
+        let mut batches = train.epoch(span.epoch as u64, state.batch_in_epoch as usize);
         loop {
             let t_wait = Instant::now();
             let Some(batch) = batches.next() else { break };
-            data_wait += t_wait.elapsed().as_secs_f64();
+            span.data_wait += t_wait.elapsed().as_secs_f64();
             let batch = batch?;
-            lr = lr_at(&cfg.optim, horizon, state.step);
-            let ticker = first_step_pending.then(|| {
-                kernel_cache.as_ref().map(|dir| {
-                    Ticker::start(
-                        "first CUDA step: compiling kernels and autotuning (cached for later runs)"
-                            .into(),
-                        dir.clone(),
-                    )
-                })
-            });
-            let t0 = Instant::now();
+            span.lr = lr_at(&cfg.optim, horizon, state.step);
             let input = StepInput {
                 step: state.step + 1,
-                lr,
+                lr: span.lr,
                 scale: state.loss_scale.map(|l| l.scale),
                 fault: faults.take(state.step + 1, n_devices, position),
                 stop_asked: interrupt.load(Ordering::Relaxed),
             };
+            first.before();
             watchdog.step_started(input.step);
             let out = learner.step(batch, &input, &watchdog).map_err(record)?;
             watchdog.step_finished();
@@ -213,17 +186,11 @@ pub fn fit<B: TrainBackend>(
             window.1 += out.images;
             state.step += 1;
             state.batch_in_epoch += 1;
-            if first_step_pending {
-                // Wait for the device so the first-step time includes compilation.
-                let _ = B::sync(&device);
-                let secs = t0.elapsed().as_secs_f64();
-                drop(ticker);
+            if let Some(secs) = first.after::<B>(&device) {
                 state.first_step_s.push(secs);
                 progress.println(&format!("kiln: first step took {secs:.1} s"));
-                first_step_pending = false;
-                learner
-                    .strategy()
-                    .first_step_done(cfg.watchdog.hang_timeout_s);
+                let timeout = cfg.watchdog.hang_timeout_s;
+                learner.strategy().first_step_done(timeout);
                 window = (Instant::now(), 0);
             }
             let stats = if progress.wants_stats(state.step) && window.1 > 0 {
@@ -235,106 +202,190 @@ pub fn fit<B: TrainBackend>(
             } else {
                 None
             };
-            progress.step(
-                epoch,
-                state.batch_in_epoch,
-                steps_per_epoch,
-                state.step,
-                stats,
-            );
-            let so_far = |learner: &mut Learner<B>, data_wait: f64| -> Result<_, TrainError> {
-                let t = learner.strategy().totals(false)?;
-                let t = learner
-                    .strategy()
-                    .sum_over_processes(t, "a checkpoint's metrics")?;
-                Ok(Some(carried.plus(
-                    t,
-                    epoch_start.elapsed().as_secs_f64(),
-                    data_wait,
-                )))
-            };
-            if out
-                .stop
-                .unwrap_or_else(|| interrupt.load(Ordering::Relaxed))
-            {
-                state.epoch_so_far = so_far(&mut learner, data_wait)?;
-                checkpointer.save_now(&mut state, &mut learner, None)?;
-                checkpointer.flush(&mut state)?;
-                state.elapsed_s = checkpointer.elapsed_s();
-                report(&state, Outcome::Interrupted.status())?;
-                progress.finish();
-                return Ok((Outcome::Interrupted, state));
-            }
+            let (batch_no, step) = (state.batch_in_epoch, state.step);
+            progress.step(span.epoch, batch_no, steps_per_epoch, step, stats);
             let end_of_epoch = state.batch_in_epoch == steps_per_epoch;
             usage.maybe_sample(state.step, end_of_epoch);
-            if end_of_epoch {
-                continue;
-            }
-            if state.step >= max_steps {
-                state.epoch_so_far = so_far(&mut learner, data_wait)?;
+            // Asked to stop (a signal, or a rank that got one): save where it stands.
+            let stop = out
+                .stop
+                .unwrap_or_else(|| interrupt.load(Ordering::Relaxed));
+            let ends = if stop {
+                Some(Outcome::Interrupted)
+            } else if !end_of_epoch && state.step >= max_steps {
+                Some(Outcome::Stopped)
+            } else {
+                None
+            };
+            if ends.is_some() || (!end_of_epoch && checkpointer.is_due(state.step, false)) {
+                state.epoch_so_far = Some(span.so_far(&mut learner)?);
                 checkpointer.save_now(&mut state, &mut learner, None)?;
-                outcome = Outcome::Stopped;
+            }
+            if let Some(o) = ends {
+                outcome = o;
                 break 'epochs;
-            }
-            if checkpointer.is_due(state.step, false) {
-                state.epoch_so_far = so_far(&mut learner, data_wait)?;
-                checkpointer.save_now(&mut state, &mut learner, None)?;
             }
         }
 
-        // End of epoch: metrics over every replica (and over the part of the epoch
-        // before a resume), a test pass when due, the record.
-        let totals = learner.strategy().totals(true)?;
-        let during = format!("epoch {}'s training metrics", epoch + 1);
-        let totals = learner.strategy().sum_over_processes(totals, &during)?;
-        let whole = carried.plus(totals, epoch_start.elapsed().as_secs_f64(), data_wait);
-        let totals = (whole.loss, whole.correct, whole.images);
-        let (train_loss, train_acc) = means_or_nan(totals);
-        if totals.2 > 0 {
-            check_finite(train_loss, state.step)?;
-        }
-        let train_time = whole.seconds;
-        let last = epoch + 1 == cfg.train.epochs || state.step >= max_steps;
-        let (test_loss, test_acc) =
-            evaluator.maybe_run(epoch + 1, state.step, last, &mut learner, &device)?;
-        let record = EpochRecord {
-            epoch: epoch + 1,
-            step: state.step,
-            lr,
-            train_loss,
-            train_acc,
-            test_loss,
-            test_acc,
-            img_per_s: totals.2 as f64 / train_time,
-            epoch_time_s: carried.seconds + epoch_start.elapsed().as_secs_f64(),
-            data_wait_s: whole.data_wait_s,
-        };
+        let last = span.epoch + 1 == cfg.train.epochs || state.step >= max_steps;
+        let record = span.end(state.step, last, &mut learner, &evaluator, &device)?;
         if lead {
             progress.println(&epoch_line(&record, cfg.train.epochs));
         }
-        let load = learner.strategy().take_load();
-        if !load.is_empty() {
-            let (line, warning) = report::balance_report(&load);
-            progress.println(&format!("kiln: balance: {line}"));
-            if let Some(w) = warning {
-                progress.println(&format!("kiln: warning: {w}"));
-            }
-        }
-        if let Some(line) = usage.take_line(&names) {
-            progress.println(&format!("kiln: gpus: {line}"));
-        }
+        announce_load(&mut learner, &mut usage, &names, &progress);
+        let measured = (!record.test_acc.is_nan()).then_some(record.test_acc);
         state.history.push(record);
         state.epoch += 1;
         state.batch_in_epoch = 0;
-        let measured = (!test_acc.is_nan()).then_some(test_acc);
         checkpointer.maybe_save(&mut state, true, &mut learner, measured)?;
-        report(&state, "running")?;
+        if lead {
+            write_reports(&run_dir, &state, "running")?;
+        }
     }
     checkpointer.flush(&mut state)?;
     progress.finish();
     state.elapsed_s = checkpointer.elapsed_s();
-    report(&state, outcome.status())?;
+    if lead {
+        write_reports(&run_dir, &state, outcome.status())?;
+    }
     Ok((outcome, state))
+}
+
+/// The first step of a process compiles every kernel on CUDA: it is shown while it
+/// runs, and timed to the device's end.
+struct FirstStep {
+    pending: bool,
+    /// `Some(kernel cache)` on CUDA.
+    cache: Option<PathBuf>,
+    ticker: Option<Ticker>,
+    start: Instant,
+}
+
+impl FirstStep {
+    fn new(cache: Option<PathBuf>) -> Self {
+        FirstStep {
+            pending: true,
+            cache,
+            ticker: None,
+            start: Instant::now(),
+        }
+    }
+
+    fn before(&mut self) {
+        if self.pending {
+            self.start = Instant::now();
+            self.ticker = self.cache.clone().map(|dir| {
+                let what =
+                    "first CUDA step: compiling kernels and autotuning (cached for later runs)";
+                Ticker::start(what.into(), dir)
+            });
+        }
+    }
+
+    /// The first step's seconds, once, after it.
+    fn after<B: TrainBackend>(&mut self, device: &B::Device) -> Option<f64> {
+        if !self.pending {
+            return None;
+        }
+        // Wait for the device so the time includes compilation.
+        let _ = B::sync(device);
+        self.pending = false;
+        self.ticker = None;
+        Some(self.start.elapsed().as_secs_f64())
+    }
+}
+
+/// One epoch while it runs: what its checkpoints and its end need.
+struct EpochSpan {
+    epoch: u32,
+    start: Instant,
+    /// What a checkpoint inside this epoch kept of it, when the run resumed there.
+    carried: EpochSoFar,
+    data_wait: f64,
+    lr: f64,
+}
+
+impl EpochSpan {
+    fn begin(state: &mut TrainState, lr: f64) -> Self {
+        let carried = state.epoch_so_far.take();
+        EpochSpan {
+            epoch: state.epoch,
+            start: Instant::now(),
+            carried: carried
+                .filter(|_| state.batch_in_epoch > 0)
+                .unwrap_or_default(),
+            data_wait: 0.0,
+            lr,
+        }
+    }
+
+    /// The epoch's totals so far over every device and process, for a checkpoint
+    /// inside it.
+    fn so_far<B: TrainBackend>(&self, learner: &mut Learner<B>) -> Result<EpochSoFar, TrainError> {
+        let t = learner.strategy().totals(false)?;
+        let t = learner
+            .strategy()
+            .sum_over_processes(t, "a checkpoint's metrics")?;
+        Ok(self
+            .carried
+            .plus(t, self.start.elapsed().as_secs_f64(), self.data_wait))
+    }
+
+    /// The epoch's record: training metrics over every device (and over the part of
+    /// the epoch before a resume), and a test pass when due.
+    fn end<B: TrainBackend>(
+        self,
+        step: u64,
+        last: bool,
+        learner: &mut Learner<B>,
+        evaluator: &Evaluator,
+        device: &B::Device,
+    ) -> Result<EpochRecord, TrainError> {
+        let totals = learner.strategy().totals(true)?;
+        let during = format!("epoch {}'s training metrics", self.epoch + 1);
+        let totals = learner.strategy().sum_over_processes(totals, &during)?;
+        let seconds = self.start.elapsed().as_secs_f64();
+        let whole = self.carried.plus(totals, seconds, self.data_wait);
+        let (train_loss, train_acc) = means_or_nan((whole.loss, whole.correct, whole.images));
+        if whole.images > 0 {
+            check_finite(train_loss, step)?;
+        }
+        let (test_loss, test_acc) =
+            evaluator.maybe_run(self.epoch + 1, step, last, learner, device)?;
+        Ok(EpochRecord {
+            epoch: self.epoch + 1,
+            step,
+            lr: self.lr,
+            train_loss,
+            train_acc,
+            test_loss,
+            test_acc,
+            img_per_s: whole.images as f64 / whole.seconds,
+            // With the test pass.
+            epoch_time_s: self.carried.seconds + self.start.elapsed().as_secs_f64(),
+            data_wait_s: whole.data_wait_s,
+        })
+    }
+}
+
+/// The epoch's balance between devices and their usage, when there are such.
+fn announce_load<B: TrainBackend>(
+    learner: &mut Learner<B>,
+    usage: &mut UsageSampler,
+    names: &[String],
+    progress: &Progress,
+) {
+    let load = learner.strategy().take_load();
+    if !load.is_empty() {
+        let (line, warning) = report::balance_report(&load);
+        progress.println(&format!("kiln: balance: {line}"));
+        if let Some(w) = warning {
+            progress.println(&format!("kiln: warning: {w}"));
+        }
+    }
+    if let Some(line) = usage.take_line(names) {
+        progress.println(&format!("kiln: gpus: {line}"));
+    }
 }
 
 fn check_finite(loss: f64, step: u64) -> Result<(), TrainError> {
