@@ -243,7 +243,16 @@ pub const LOCK_FILE: &str = "kiln.lock";
 /// the process ends, however it ends).
 #[derive(Debug)]
 pub struct DirLock {
-    _file: File,
+    file: File,
+}
+
+impl Drop for DirLock {
+    /// A process that ends cleanly leaves the file empty, so the next owner has nothing
+    /// to report; one that was killed leaves its name for the next owner's note. The
+    /// file itself stays: removing a locked file would let two processes lock two files.
+    fn drop(&mut self) {
+        let _ = self.file.set_len(0);
+    }
 }
 
 /// Who holds a lock, as its file says: `pid 123 on host, since 2026-12-03T08:00:00Z`.
@@ -303,7 +312,7 @@ pub fn lock(dir: &Path) -> Result<(DirLock, Option<String>), RunDirError> {
         f.sync_all()
     };
     write(&mut file).map_err(lock_err)?;
-    Ok((DirLock { _file: file }, note))
+    Ok((DirLock { file }, note))
 }
 
 #[cfg(test)]
@@ -321,12 +330,21 @@ mod tests {
             e.contains(&format!("pid {}", std::process::id())) && e.contains("since"),
             "{e}"
         );
+        // A clean end leaves an empty file: the next owner has nothing to say.
         drop(held);
-        // The file stays behind, as after a killed process; its lock is gone.
+        let (again, note) = lock(dir.path()).unwrap();
+        assert!(note.is_none(), "{note:?}");
+        drop(again);
+        // A killed process leaves its name in the file, and no lock.
+        std::fs::write(
+            dir.path().join(LOCK_FILE),
+            "pid 1 on elsewhere, since then\n",
+        )
+        .unwrap();
         let (_again, note) = lock(dir.path()).unwrap();
         let note = note.expect("a note about the previous holder");
         assert!(
-            note.contains("is gone") && note.contains("taking it over"),
+            note.contains("is gone") && note.contains("pid 1 on elsewhere"),
             "{note}"
         );
     }

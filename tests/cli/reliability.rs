@@ -164,6 +164,9 @@ fn a_second_process_on_a_run_dir_is_refused_naming_the_first_which_a_dead_one_is
         .success()
         .stderr_has("was held by a kiln process that is gone")
         .stderr_has("step-000000006");
+    // A clean end leaves nothing for the next owner to report.
+    let lock = std::fs::read_to_string(run.join("kiln.lock")).unwrap();
+    assert_eq!(lock, "", "the lock file after a clean end");
 }
 
 #[test]
