@@ -5,13 +5,15 @@
 //! - `cudnn/`: cuDNN's convolutions and batch normalisation (probe, handles, legacy
 //!   calls, the graph API);
 //! - `channels_last_norm`, `sgd`: kiln's own cubecl kernels;
-//! - `nccl`: collectives of device buffers across GPUs and processes;
+//! - `nccl`: collectives of device buffers across GPUs and processes (`copies`: many
+//!   device-to-device copies by one driver call);
 //! - `pinned`: uploads from page-locked host memory;
 //! - `kiln_stream`, `cubecl_stream`, `stream_order`: how kiln's GPU work is queued in
 //!   order with cubecl's;
 //! - `fusion`: each extension as one custom operation of Burn's fusion stream.
 
 pub mod channels_last_norm;
+mod copies;
 mod cubecl_stream;
 pub mod cudnn;
 mod fusion;

@@ -8,15 +8,17 @@
 //! time; cudarc panics on the first call into a missing library, so every entry point
 //! looks for it first. A collective runs where no error can be handed back (inside a
 //! fusion operation, on cubecl's device thread): its failure is kept in the
-//! communicator ([`DeviceComm::error`]) and the exchange reports it after the step's
-//! collectives were queued.
+//! communicator ([`DeviceComm::error`]) and the exchange reports it at its next check.
 
+use std::cell::RefCell;
+use std::collections::HashSet;
 use std::ffi::CStr;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use burn::cubecl::cuda::{CudaDevice, CudaRuntime};
+use burn::cubecl::server::Handle;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Shape};
 use burn_cubecl::kernel::into_contiguous;
@@ -24,7 +26,11 @@ use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 use cudarc::nccl::{result as nccl, sys};
 
-use super::kiln_stream::{make_primary_current, on_kiln_stream_as};
+use super::copies::copy_many;
+use super::kiln_stream::{
+    After, Client, Lane, make_primary_current, on_device_thread, on_kiln_stream_as, queue_handle,
+    queue_on_device_thread,
+};
 use crate::ops::{CollectiveBackend, Comm, DeviceComm, LibraryCall};
 
 /// Why NCCL cannot be used here, or its version.
@@ -223,6 +229,9 @@ enum Collective {
 
 /// Runs `what` on `x` into a new buffer of its shape, queued on cubecl's stream for
 /// `x`'s device. On failure the output holds nothing useful and `comm.error()` says why.
+/// A round trip to the device thread, not queued: these run at the start and for the
+/// BatchNorm statistics before a checkpoint or an evaluation, and the exchange's check
+/// right after must see the failure of every collective queued before them.
 fn collective(
     x: CubeTensor<CudaRuntime>,
     comm: &Comm,
@@ -281,7 +290,8 @@ fn collective(
 /// its own aligned place in it, one all-reduce in place, and the results returned as
 /// views of the buffer with the inputs' shapes. One collective and no tensor operation
 /// per gradient: a ResNet step's 60-160 gradients cost a handful of copies queued by
-/// one host call, not hundreds of operations.
+/// one host call, not hundreds of operations. Queued without waiting after the
+/// thread's first ([`submit`]).
 fn all_reduce_many(xs: Vec<CubeTensor<CudaRuntime>>, comm: &Comm) -> Vec<CubeTensor<CudaRuntime>> {
     let c = nccl_comm(comm);
     let xs: Vec<CubeTensor<CudaRuntime>> = xs.into_iter().map(into_contiguous).collect();
@@ -301,9 +311,6 @@ fn all_reduce_many(xs: Vec<CubeTensor<CudaRuntime>>, comm: &Comm) -> Vec<CubeTen
         total += n.next_multiple_of(align);
     }
     let bucket = client.empty(total);
-    let buffers: Vec<Option<&burn::cubecl::server::Handle>> = std::iter::once(Some(&bucket))
-        .chain(xs.iter().map(|x| Some(&x.handle)))
-        .collect();
     let queued = match (
         data_type(dtype),
         c.live(),
@@ -312,45 +319,53 @@ fn all_reduce_many(xs: Vec<CubeTensor<CudaRuntime>>, comm: &Comm) -> Vec<CubeTen
         (_, _, false) => Err("the tensors of one bucket differ in dtype".to_string()),
         (None, _, _) => Err(format!("no NCCL type for {dtype:?}")),
         (_, None, _) => Err("the communicator was aborted".into()),
-        (Some(t), Some(_), true) => on_kiln_stream_as(
-            &client,
-            device.index,
-            &buffers,
-            LibraryCall::Collective,
-            |stream, p| {
-                for ((&off, &n), src) in offsets.iter().zip(&sizes).zip(&p[1..]) {
-                    // SAFETY: `p[0]` holds `total` bytes, of which `off..off + n` is this
-                    // input's place; `src` holds `n` bytes; both on this device, ordered
-                    // on `stream`.
-                    unsafe {
-                        cudarc::driver::sys::cuMemcpyDtoDAsync_v2(
-                            p[0] as u64 + off as u64,
-                            *src as u64,
-                            n,
-                            stream,
-                        )
-                    }
-                    .result()
-                    .map_err(|e| format!("copying into the bucket: {e:?}"))?;
-                }
-                let count = total / dtype.size();
-                // SAFETY: in place on `p[0]`, `count` elements of `t` (the padding
-                // between places is summed too and never read).
-                unsafe {
-                    nccl::all_reduce(
-                        p[0],
-                        p[0],
-                        count,
-                        t,
-                        sys::ncclRedOp_t::ncclSum,
-                        c.comm,
-                        stream as sys::cudaStream_t,
+        (Some(t), Some(_), true) => {
+            let job = {
+                let (client, comm, bucket) = (client.clone(), comm.clone(), bucket.clone());
+                let inputs: Vec<_> = xs.iter().map(|x| x.handle.clone()).collect();
+                let (offsets, sizes) = (offsets.clone(), sizes.clone());
+                move |lane: &mut Lane| {
+                    let buffers: Vec<Option<&Handle>> = std::iter::once(Some(&bucket))
+                        .chain(inputs.iter().map(Some))
+                        .collect();
+                    let raw = nccl_comm(&comm).comm;
+                    lane.queue(
+                        &client,
+                        &buffers,
+                        After::Gpu,
+                        LibraryCall::Collective,
+                        |stream, p| {
+                            let dsts: Vec<u64> = offsets
+                                .iter()
+                                .map(|&off| p[0] as u64 + off as u64)
+                                .collect();
+                            let srcs: Vec<u64> = p[1..].iter().map(|&s| s as u64).collect();
+                            // SAFETY: `p[0]` holds `total` bytes, of which `off..off + n`
+                            // is each input's own place; each source holds its `n` bytes;
+                            // all on this device, ordered on `stream`.
+                            unsafe { copy_many(&dsts, &srcs, &sizes, stream) }?;
+                            let count = total / dtype.size();
+                            // SAFETY: in place on `p[0]`, `count` elements of `t` (the
+                            // padding between places is summed too and never read).
+                            unsafe {
+                                nccl::all_reduce(
+                                    p[0],
+                                    p[0],
+                                    count,
+                                    t,
+                                    sys::ncclRedOp_t::ncclSum,
+                                    raw,
+                                    stream as sys::cudaStream_t,
+                                )
+                            }
+                            .map(|_| ())
+                            .map_err(|e| describe(e.0))
+                        },
                     )
                 }
-                .map(|_| ())
-                .map_err(|e| describe(e.0))
-            },
-        ),
+            };
+            submit(&client, &device, comm, "all-reduce", job)
+        }
     };
     if let Err(e) = queued {
         c.fail("all-reduce", e);
@@ -371,6 +386,43 @@ fn all_reduce_many(xs: Vec<CubeTensor<CudaRuntime>>, comm: &Comm) -> Vec<CubeTen
             )
         })
         .collect()
+}
+
+thread_local! {
+    // Per calling (fusion) thread: the GPUs whose collectives it queues without waiting.
+    static QUEUEING: RefCell<HashSet<usize>> = RefCell::new(HashSet::new());
+}
+
+/// Runs `job` on cubecl's device thread for `device`: the calling thread's first time
+/// as a round trip that reports its error, after that queued without waiting
+/// (`kiln_stream::queue_on_device_thread`), as cuDNN's calls are. A round trip per
+/// bucket made the fusion thread wait for the device thread's whole queue each time:
+/// 3 (ResNet-18) to 6 (ResNet-50) waits of about 0.5 ms per step. A queued job's
+/// failure is kept in the communicator, where the exchange's next check (every step,
+/// and the round trips of the BatchNorm statistics before a checkpoint or an
+/// evaluation) finds it.
+fn submit(
+    client: &Client,
+    device: &CudaDevice,
+    comm: &Comm,
+    what: &'static str,
+    job: impl FnOnce(&mut Lane) -> Result<(), String> + Send + 'static,
+) -> Result<(), String> {
+    let ordinal = device.index;
+    if QUEUEING.with(|q| q.borrow().contains(&ordinal)) {
+        let comm = comm.clone();
+        queue_on_device_thread(device, ordinal, move |lane| {
+            if let Err(e) = job(lane) {
+                nccl_comm(&comm).fail(what, e);
+            }
+            Ok(())
+        });
+        return Ok(());
+    }
+    on_device_thread(client, ordinal, job)?;
+    queue_handle(device);
+    QUEUEING.with(|q| q.borrow_mut().insert(ordinal));
+    Ok(())
 }
 
 impl<F: FloatElement, I: IntElement, BT: BoolElement> CollectiveBackend
