@@ -5,14 +5,17 @@ cd "$(dirname "$0")/.."
 source bench/lib.sh
 GPUS=$(nvidia-smi -L | wc -l)
 R18=(--model resnet18 --image-size 32 --batch 256 --steps 50 --warmup 10)
+R50=(--model resnet50 --image-size 224 --batch 128 --steps 20 --warmup 5 --precision bf16 --channels-last)
 NCCL=(--set parallel.exchange=nccl)
-ktrain plain train --config configs/resnet.toml --devices 0
-ktrain nccl train --config configs/resnet.toml --devices 0 "${NCCL[@]}"
-ktrain launch launch --config configs/resnet.toml --nproc 1 "${NCCL[@]}"
 for i in 1 2; do
   CAP=90 kbench r18-plain-$i "${R18[@]}" --devices 0
   CAP=90 kbench r18-nccl-$i "${R18[@]}" --devices 0 "${NCCL[@]}"
+  CAP=120 kbench r50-plain-$i "${R50[@]}" --devices 0
+  CAP=120 kbench r50-nccl-$i "${R50[@]}" --devices 0 "${NCCL[@]}"
 done
+ktrain plain train --config configs/resnet.toml --devices 0
+ktrain nccl train --config configs/resnet.toml --devices 0 "${NCCL[@]}"
+ktrain launch launch --config configs/resnet.toml --nproc 1 "${NCCL[@]}"
 if [ "$GPUS" -gt 1 ]; then
   all=$(seq -s, 0 $((GPUS - 1)))
   for p in fp32 bf16; do

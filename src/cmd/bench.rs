@@ -158,12 +158,14 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         }
         if let Some(x) = &report.exchange {
             crate::out!(
-                "  gradient exchange {}: {:.2} ms per device on {} synchronised steps, {:.0}% of the mean step (forward and backward {:.2} ms)",
+                "  gradient exchange {}: adds {:.2} ms to a step, {:.1}% of it (steps {:.2} ms with it, {:.2} ms without, in turns); synchronised: {:.2} ms per device after a {:.2} ms forward and backward pass",
                 x.engine,
-                x.exchange_ms,
-                x.timed_steps,
+                x.cost_ms,
                 x.share_of_step * 100.0,
-                x.compute_ms
+                x.step_with_ms,
+                x.step_without_ms,
+                x.synced_exchange_ms,
+                x.synced_compute_ms
             );
         }
         if let Some(mib) = memory {

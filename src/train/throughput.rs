@@ -112,18 +112,29 @@ pub struct BenchReport {
     pub exchange: Option<Exchanged>,
 }
 
-/// The gradient exchange's cost, from steps synchronised after the backward pass and
-/// after the exchange (the unsynchronised steps overlap more).
+/// The gradient exchange's cost: the same steps timed with it and without it, in
+/// turns, and its latency on steps synchronised after the backward pass and after the
+/// exchange (which overlap less than unsynchronised steps do).
 #[derive(Debug, Clone, Serialize)]
 pub struct Exchanged {
     pub engine: String,
-    pub timed_steps: usize,
-    /// Per device and timed step.
-    pub exchange_ms: f64,
-    pub compute_ms: f64,
-    /// `exchange_ms` over the mean step (`step_ms`).
+    /// Mean step over [`EXCHANGE_ROUNDS`] blocks of `steps` steps each, with the
+    /// exchange and without it (the replicas training apart), in turns.
+    pub step_with_ms: f64,
+    pub step_without_ms: f64,
+    /// `step_with_ms - step_without_ms`: what the exchange adds to a step.
+    pub cost_ms: f64,
+    /// `cost_ms` over `step_with_ms`.
     pub share_of_step: f64,
+    pub timed_steps: usize,
+    /// On synchronised steps, per device: the exchange from its first call until the
+    /// device has finished it, and the forward and backward pass before it.
+    pub synced_exchange_ms: f64,
+    pub synced_compute_ms: f64,
 }
+
+/// Blocks of steps with and without the exchange that [`Exchanged`] compares.
+const EXCHANGE_ROUNDS: usize = 2;
 
 impl BackendJob for BenchJob {
     type Output = Result<BenchReport, TrainError>;
@@ -196,20 +207,19 @@ impl BackendJob for BenchJob {
         sync();
         strategy.take_load();
         strategy.take_times();
-        let (t, waited) = (Instant::now(), kiln_waits());
-        for _ in 0..self.steps {
-            model = bench_step(
-                strategy.as_mut(),
-                model,
-                &mut optim,
-                &copies,
-                lr,
-                scale,
-                &watchdog,
-            )?;
-        }
-        sync();
-        let step_s = t.elapsed().as_secs_f64() / self.steps.max(1) as f64;
+        let mut timed_steps =
+            |model: ResNet<B>, strategy: &mut dyn TrainingStrategy<B, ResNet<B>>| {
+                let t = Instant::now();
+                let mut model = model;
+                for _ in 0..self.steps {
+                    model = bench_step(strategy, model, &mut optim, &copies, lr, scale, &watchdog)?;
+                }
+                sync();
+                let step_s = t.elapsed().as_secs_f64() / self.steps.max(1) as f64;
+                Ok::<_, TrainError>((model, step_s))
+            };
+        let waited = kiln_waits();
+        let (mut model, step_s) = timed_steps(model, strategy.as_mut())?;
         let waits = Waits::per_step(kiln_waits().since(waited), self.steps);
         let device_busy_ms = strategy
             .take_load()
@@ -217,17 +227,35 @@ impl BackendJob for BenchJob {
             .map(|l| l.busy_s * 1e3 / l.steps.max(1) as f64)
             .collect();
         let times = strategy.take_times();
-        let exchange = strategy.exchange_engine().map(|engine| {
-            let per = (times.steps * n_devices).max(1) as f64;
-            let ms = times.exchange_s * 1e3 / per;
-            Exchanged {
-                engine,
-                timed_steps: times.steps,
-                exchange_ms: ms,
-                compute_ms: times.compute_s * 1e3 / per,
-                share_of_step: ms / (step_s * 1e3),
+        let exchange = match strategy.exchange_engine() {
+            None => None,
+            Some(engine) => {
+                let (mut with_s, mut without_s) = (0.0, 0.0);
+                for _ in 0..EXCHANGE_ROUNDS {
+                    strategy.exchange_gradients(false);
+                    let (m, s) = timed_steps(model, strategy.as_mut())?;
+                    without_s += s;
+                    strategy.exchange_gradients(true);
+                    let (m, s) = timed_steps(m, strategy.as_mut())?;
+                    with_s += s;
+                    model = m;
+                }
+                strategy.take_times();
+                let rounds = EXCHANGE_ROUNDS as f64;
+                let (with_ms, without_ms) = (with_s * 1e3 / rounds, without_s * 1e3 / rounds);
+                let per = (times.steps * n_devices).max(1) as f64;
+                Some(Exchanged {
+                    engine,
+                    step_with_ms: with_ms,
+                    step_without_ms: without_ms,
+                    cost_ms: with_ms - without_ms,
+                    share_of_step: (with_ms - without_ms) / with_ms,
+                    timed_steps: times.steps,
+                    synced_exchange_ms: times.exchange_s * 1e3 / per,
+                    synced_compute_ms: times.compute_s * 1e3 / per,
+                })
             }
-        });
+        };
         // Phases are timed on one device; with several, the step above is the figure.
         let breakdown = (n_devices == 1 && exchange.is_none()).then(|| {
             breakdown::<B>(
@@ -388,6 +416,11 @@ mod tests {
         assert!(one.exchange.is_none());
         let x = two.exchange.expect("two devices exchange gradients");
         assert_eq!((x.engine.as_str(), x.timed_steps), ("host memory", 3));
-        assert!(x.exchange_ms > 0.0 && x.share_of_step > 0.0, "{x:?}");
+        assert!(
+            x.synced_exchange_ms > 0.0 && x.synced_compute_ms > 0.0,
+            "{x:?}"
+        );
+        assert!(x.step_with_ms > 0.0 && x.step_without_ms > 0.0, "{x:?}");
+        assert_eq!(x.cost_ms, x.step_with_ms - x.step_without_ms);
     }
 }

@@ -132,6 +132,12 @@ pub trait TrainingStrategy<B: TrainBackend, M: AutodiffModule<B>> {
     }
     /// How the gradients are exchanged, as reports name it; `None` alone.
     fn exchange_engine(&self) -> Option<String>;
+    /// Whether the steps that follow exchange gradients (on from the start). Only
+    /// `kiln bench` turns it off, to time the same steps without the exchange: the
+    /// replicas then train apart. Nothing to turn off without an exchange.
+    fn exchange_gradients(&mut self, on: bool) {
+        let _ = on;
+    }
     /// The synchronised timings since the last call (the bench).
     fn take_times(&mut self) -> StepTimes;
 }

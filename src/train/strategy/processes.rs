@@ -49,6 +49,7 @@ pub struct Processes<B: TrainBackend> {
     sums: Option<Sums<B::InnerBackend>>,
     steps: u64,
     times: StepTimes,
+    exchange_paused: bool,
 }
 
 impl<B: TrainBackend> Processes<B> {
@@ -80,6 +81,7 @@ impl<B: TrainBackend> Processes<B> {
             sums: None,
             steps: 0,
             times: StepTimes::default(),
+            exchange_paused: false,
         })
     }
 
@@ -154,7 +156,7 @@ impl<B: TrainBackend, M: Replicable<B>> TrainingStrategy<B, M> for Processes<B> 
             timed.then_some(&mut times),
         )?;
         self.sums = Sums::accumulate(self.sums.take(), sums);
-        let grads = match self.exchange.as_mut() {
+        let grads = match self.exchange.as_mut().filter(|_| !self.exchange_paused) {
             Some(e) => {
                 // Waiting for the other ranks is not this device hanging: the group's
                 // own timeout names the rank that went silent. NCCL's all-reduce is only
@@ -252,6 +254,10 @@ impl<B: TrainBackend, M: Replicable<B>> TrainingStrategy<B, M> for Processes<B> 
 
     fn exchange_engine(&self) -> Option<String> {
         self.exchange.as_ref().map(|e| e.exchange.engine())
+    }
+
+    fn exchange_gradients(&mut self, on: bool) {
+        self.exchange_paused = !on;
     }
 
     fn take_times(&mut self) -> StepTimes {

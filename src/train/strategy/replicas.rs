@@ -72,6 +72,8 @@ struct Job<M> {
     clip: f64,
     label_smoothing: f64,
     timed: bool,
+    /// Whether the gradients are summed over the replicas ([`TrainingStrategy::exchange_gradients`]).
+    exchange: bool,
 }
 
 /// The main model and, `ddp`, the main optimizer with its state serialised.
@@ -123,6 +125,7 @@ pub struct Replicas<B: TrainBackend, M: Replicable<B>> {
     /// Every step is synchronised anyway (the host engine reads every buffer back).
     always_timed: bool,
     times: StepTimes,
+    exchange_paused: bool,
 }
 
 impl<B: TrainBackend, M: Replicable<B>> Replicas<B, M> {
@@ -192,6 +195,7 @@ impl<B: TrainBackend, M: Replicable<B>> Replicas<B, M> {
             style,
             train: train.clone(),
             always_timed: board.is_some(),
+            exchange_paused: false,
             names,
             workers,
             replies,
@@ -365,7 +369,7 @@ impl<B: TrainBackend, M: Replicable<B>> TrainingStrategy<B, M> for Replicas<B, M
         self.steps += 1;
         let timed = self.always_timed || self.steps.is_multiple_of(TIME_EVERY_STEPS);
         let shards = Mutex::new(shards.into_iter().map(Some).collect::<Vec<_>>());
-        let (train, input_copy) = (self.train.clone(), *input);
+        let (train, input_copy, exchange) = (self.train.clone(), *input, !self.exchange_paused);
         let msg = |i: usize| {
             let micros = shards.lock().unwrap_or_else(|e| e.into_inner())[i]
                 .take()
@@ -378,6 +382,7 @@ impl<B: TrainBackend, M: Replicable<B>> TrainingStrategy<B, M> for Replicas<B, M
                 clip: train.grad_clip_norm,
                 label_smoothing: train.label_smoothing,
                 timed,
+                exchange,
             }))
         };
         let worked = self.round(input.step, msg, |r| match r {
@@ -494,6 +499,10 @@ impl<B: TrainBackend, M: Replicable<B>> TrainingStrategy<B, M> for Replicas<B, M
 
     fn exchange_engine(&self) -> Option<String> {
         Some(self.engine.clone())
+    }
+
+    fn exchange_gradients(&mut self, on: bool) {
+        self.exchange_paused = !on;
     }
 
     fn take_times(&mut self) -> StepTimes {
@@ -681,7 +690,7 @@ fn work<B: TrainBackend, M: Replicable<B>>(
             .ok_or_else(|| WorkError::Other("work before the replica was set up".into()))?,
     };
     let during = format!("step {}", job.input.step);
-    let model = if style == DataParallel::Dp {
+    let model = if style == DataParallel::Dp && job.exchange {
         share_trainable::<B, M>(exchange, model, &during).map_err(WorkError::Exchange)?
     } else {
         model
@@ -698,7 +707,8 @@ fn work<B: TrainBackend, M: Replicable<B>>(
         job.label_smoothing,
         job.input.scale,
         device,
-        Some((exchange as &mut dyn Exchange<B::InnerBackend>, &*plan)),
+        job.exchange
+            .then_some((exchange as &mut dyn Exchange<B::InnerBackend>, &*plan)),
         &during,
         job.timed.then_some(&mut times),
     )
@@ -929,6 +939,52 @@ mod tests {
             max_diff(&one, &params(&init)) > 1e-3,
             "training should have moved the weights"
         );
+    }
+
+    #[test]
+    fn a_paused_exchange_leaves_the_main_replica_its_own_gradients() {
+        let _rng = rng_lock();
+        TestBackend::seed(&device(), 5);
+        let init = crate::model::materialize(NoBn::<TestBackend> {
+            conv: Conv2dConfig::new([3, 4], [1, 1]).init(&device()),
+            fc: LinearConfig::new(4 * 36, 3).init(&device()),
+        });
+        let b = batch(12);
+        let mut cfg = Config::default();
+        cfg.optim.weight_decay = 0.0;
+        cfg.optim.momentum = 0.0;
+        // Apart, the main replica steps on its half of the batch, weighted as half of
+        // the global batch: one device on that half at half the learning rate.
+        let half = b.clone().split(&[6, 6]).remove(0);
+        let mut optim = Optim::<NoBn<TestBackend>, TestBackend>::new(&cfg.optim);
+        let alone = crate::train::step::train_step(
+            init.clone(),
+            &mut optim,
+            half,
+            0.025,
+            &cfg.train,
+            &device(),
+            None,
+        )
+        .0;
+        let mut r = replicas::<NoBn<TestBackend>>(2, &cfg);
+        r.exchange_gradients(false);
+        let mut optim = Optim::<NoBn<TestBackend>, TestBackend>::new(&cfg.optim);
+        let apart = steps(&mut r, init.clone(), &mut optim, std::slice::from_ref(&b));
+        assert!(
+            max_diff(&params(&alone), &params(&apart)) < 1e-5,
+            "apart: {}",
+            max_diff(&params(&alone), &params(&apart))
+        );
+        // Back on (every replica started again from the same weights), the step is
+        // the whole batch's.
+        r.exchange_gradients(true);
+        r.started = false;
+        let mut optim = Optim::<NoBn<TestBackend>, TestBackend>::new(&cfg.optim);
+        let together = steps(&mut r, init.clone(), &mut optim, std::slice::from_ref(&b));
+        let one = params(&train_on(&init, std::slice::from_ref(&b), 1, &cfg));
+        assert!(max_diff(&one, &params(&together)) < 1e-5);
+        assert!(max_diff(&one, &params(&apart)) > 1e-4);
     }
 
     /// Learnable images: the synthetic dataset, so gradients carry signal, not noise.
