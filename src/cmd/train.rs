@@ -245,6 +245,14 @@ fn train_here(
             );
             ExitCode::SUCCESS
         }
+        Outcome::EarlyStopped => {
+            crate::say!(
+                "kiln: stopped early after {} epochs in {:.1} s{last}{best}",
+                state.history.len(),
+                state.elapsed_s
+            );
+            ExitCode::SUCCESS
+        }
         Outcome::Stopped => {
             crate::say!(
                 "kiln: stopped at step {} (train.max_steps){last}; continue with --resume {}",

@@ -78,6 +78,24 @@ impl Config {
         self.checkpoint.validate()?;
         self.watchdog.validate()?;
         self.faults.validate()?;
+        // Early stopping reads the test accuracy, measured every eval.every_epochs.
+        let (patience, every) = (self.train.early_stop_patience, self.eval.every_epochs);
+        if patience > 0 && every == 0 {
+            return Err(ConfigError::invalid(
+                "train.early_stop_patience",
+                patience,
+                "0 (off) while eval.every_epochs = 0 evaluates only after the last epoch: set eval.every_epochs to evaluate during training",
+            ));
+        }
+        if patience > 0 && patience < every {
+            return Err(ConfigError::invalid(
+                "train.early_stop_patience",
+                patience,
+                format!(
+                    "0 (off) or at least eval.every_epochs = {every}: the test accuracy is measured only every {every} epochs"
+                ),
+            ));
+        }
         Ok(())
     }
 }

@@ -46,6 +46,12 @@ pub struct TrainConfig {
     /// Require bitwise-repeatable training: the same seed gives the same weights on the
     /// same device. The CPU backend is; CUDA runs are refused (`cmd::train` says why).
     pub deterministic: bool,
+    /// End the run once the test accuracy has not improved for this many epochs
+    /// (evaluated or not). 0: off.
+    pub early_stop_patience: u32,
+    /// How much higher a test accuracy must be to count as an improvement (a fraction:
+    /// 0.001 is a tenth of a point).
+    pub early_stop_min_delta: f64,
 }
 
 impl Default for TrainConfig {
@@ -61,6 +67,8 @@ impl Default for TrainConfig {
             log_every_steps: 100,
             precision: Precision::Fp32,
             deterministic: false,
+            early_stop_patience: 0,
+            early_stop_min_delta: 0.0,
         }
     }
 }
@@ -112,6 +120,19 @@ impl TrainConfig {
                 "train.grad_clip_norm",
                 self.grad_clip_norm,
                 "0 (off) or a positive number",
+            ));
+        }
+        at_most(
+            "train.early_stop_patience",
+            self.early_stop_patience as u64,
+            MAX_EPOCHS as u64,
+            "a number of epochs",
+        )?;
+        if !(0.0..1.0).contains(&self.early_stop_min_delta) {
+            return Err(ConfigError::invalid(
+                "train.early_stop_min_delta",
+                self.early_stop_min_delta,
+                "a fraction of accuracy in [0, 1), e.g. 0.001",
             ));
         }
         if self.log_every_steps == 0 {

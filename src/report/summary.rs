@@ -7,6 +7,9 @@ use serde::Serialize;
 #[derive(Debug, Clone, Serialize)]
 pub struct Summary {
     pub status: String,
+    /// Why the run ended (the epochs done, `train.max_steps`, a signal, early stopping).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ended: Option<String>,
     pub epochs_completed: u32,
     pub steps: u64,
     pub final_test_acc: Option<f64>,

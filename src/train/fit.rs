@@ -12,6 +12,7 @@ use std::time::Instant;
 use super::backend::BackendJob;
 use super::build::build;
 use super::checkpoint::Checkpointer;
+use super::early_stop::EarlyStop;
 use super::error::TrainError;
 use super::evaluator::{Evaluator, means_or_nan};
 use super::faults::Faults;
@@ -38,15 +39,28 @@ pub enum Outcome {
     Stopped,
     /// SIGINT/SIGTERM; a checkpoint was written.
     Interrupted,
+    /// `train.early_stop_patience` epochs without a better test accuracy.
+    EarlyStopped,
 }
 
 impl Outcome {
     /// How `summary.json` names it.
     fn status(self) -> &'static str {
         match self {
-            Outcome::Finished => "finished",
+            // Done by its own rule: a sweep ranks it with the runs that finished.
+            Outcome::Finished | Outcome::EarlyStopped => "finished",
             Outcome::Stopped => "stopped at train.max_steps",
             Outcome::Interrupted => "interrupted",
+        }
+    }
+
+    /// Why the run ended, as `summary.json` says (early stopping says more).
+    fn ended(self) -> &'static str {
+        match self {
+            Outcome::Finished => "train.epochs reached",
+            Outcome::Stopped => "train.max_steps reached",
+            Outcome::Interrupted => "a signal (SIGINT or SIGTERM)",
+            Outcome::EarlyStopped => "early stop",
         }
     }
 }
@@ -149,10 +163,20 @@ pub fn fit<B: TrainBackend>(
         n => n,
     };
     let mut outcome = Outcome::Finished;
+    let early_stop = EarlyStop::new(&cfg.train);
+    let mut ended = None;
 
     'epochs: while state.epoch < cfg.train.epochs {
         if state.step >= max_steps {
             outcome = Outcome::Stopped;
+            break;
+        }
+        if let Some(why) = early_stop.reason(&state.history) {
+            if lead {
+                progress.println(&format!("kiln: {why}"));
+            }
+            outcome = Outcome::EarlyStopped;
+            ended = Some(why);
             break;
         }
         let lr = lr_at(&cfg.optim, horizon, state.step);
@@ -239,14 +263,15 @@ pub fn fit<B: TrainBackend>(
         state.batch_in_epoch = 0;
         checkpointer.maybe_save(&mut state, true, &mut learner, measured)?;
         if lead {
-            write_reports(&run_dir, &state, "running")?;
+            write_reports(&run_dir, &state, "running", None)?;
         }
     }
     checkpointer.flush(&mut state)?;
     progress.finish();
     state.elapsed_s = checkpointer.elapsed_s();
     if lead {
-        write_reports(&run_dir, &state, outcome.status())?;
+        let ended = ended.unwrap_or_else(|| outcome.ended().to_string());
+        write_reports(&run_dir, &state, outcome.status(), Some(&ended))?;
     }
     Ok((outcome, state))
 }
@@ -401,13 +426,14 @@ fn write_reports(
     dir: &std::path::Path,
     state: &TrainState,
     status: &str,
+    ended: Option<&str>,
 ) -> Result<(), TrainError> {
     let err = |path: PathBuf| move |e: String| TrainError::Report { path, message: e };
     let metrics = dir.join("metrics.csv");
     report::write_metrics(&metrics, &state.history)
         .map_err(|e| err(metrics.clone())(e.to_string()))?;
     let summary = dir.join("summary.json");
-    report::write_summary(&summary, &state.summary(status))
+    report::write_summary(&summary, &state.summary(status, ended))
         .map_err(|e| err(summary.clone())(e.to_string()))?;
     // The plot is a picture of metrics.csv: one that cannot be drawn is a warning, and
     // summary.json stays the truth about the run.

@@ -9,6 +9,7 @@ pub mod backend;
 mod build;
 mod checkpoint;
 mod clip;
+mod early_stop;
 mod error;
 mod eval;
 mod evaluator;

@@ -105,8 +105,9 @@ impl TrainState {
             .max_by(|a, b| a.0.total_cmp(&b.0).then(b.1.cmp(&a.1)))
     }
 
-    /// `summary.json` for this state, whose run is `status`.
-    pub fn summary(&self, status: &str) -> Summary {
+    /// `summary.json` for this state, whose run is `status` (and `ended` why, once
+    /// it has).
+    pub fn summary(&self, status: &str, ended: Option<&str>) -> Summary {
         let last_eval = self.history.iter().rev().find(|r| !r.test_acc.is_nan());
         let best = self.best();
         let rates: Vec<f64> = if self.history.len() > 1 {
@@ -116,6 +117,7 @@ impl TrainState {
         };
         Summary {
             status: status.to_string(),
+            ended: ended.map(str::to_string),
             epochs_completed: self.history.len() as u32,
             steps: self.step,
             final_test_acc: last_eval.map(|r| r.test_acc),

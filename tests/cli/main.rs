@@ -1067,3 +1067,42 @@ fn srun_tasks_find_their_ranks_in_slurms_variables_and_a_failed_step_is_run_agai
         summary(&run_dir(&out))["final_test_loss"]
     );
 }
+
+#[test]
+fn early_stopping_ends_a_run_that_stopped_improving_and_says_why() {
+    // With a min_delta of 0.99 no epoch can improve on the first.
+    let out = tempdir("early-stop");
+    train(
+        &out,
+        &[
+            "train.epochs=6",
+            "train.early_stop_patience=2",
+            "train.early_stop_min_delta=0.99",
+        ],
+    )
+    .success()
+    .stderr_has("early stop: test accuracy not above")
+    .stderr_has("stopped early after 3 epochs");
+    let run = run_dir(&out);
+    let s = summary(&run);
+    assert_eq!(s["status"], "finished", "{s}");
+    assert_eq!(s["epochs_completed"], 3, "{s}");
+    assert!(
+        s["ended"].as_str().unwrap().starts_with("early stop"),
+        "{s}"
+    );
+    assert_eq!(metrics(&run).len(), 3);
+    // Resumed, it stops at once: the rule reads the history the checkpoint keeps.
+    Output::of(kiln().args(["train", "--resume"]).arg(&run))
+        .success()
+        .stderr_has("stopped early after 3 epochs");
+    assert_eq!(summary(&run)["epochs_completed"], 3);
+    // Without it the same run goes on to its last epoch.
+    let all = tempdir("early-stop-off");
+    train(&all, &["train.epochs=6"]).success();
+    let s = summary(&run_dir(&all));
+    assert_eq!(
+        (s["epochs_completed"].as_u64(), s["ended"].as_str()),
+        (Some(6), Some("train.epochs reached"))
+    );
+}

@@ -621,6 +621,31 @@ fn bad_inputs_end_in_clear_errors_never_a_panic() {
         (train(&["devices.count=5000"]), 2, "devices.count = 5000"),
         (train(&["devices.use=[-1]"]), 2, "--set devices.use=[-1]"),
         (
+            train(&["train.early_stop_patience=2", "eval.every_epochs=0"]),
+            2,
+            "set eval.every_epochs to evaluate during training",
+        ),
+        (
+            train(&["train.early_stop_patience=1", "eval.every_epochs=3"]),
+            2,
+            "at least eval.every_epochs = 3",
+        ),
+        (
+            train(&["train.early_stop_patience=1000000"]),
+            2,
+            "at most 100000",
+        ),
+        (
+            train(&["train.early_stop_min_delta=1.5"]),
+            2,
+            "train.early_stop_min_delta = 1.5",
+        ),
+        (
+            train(&["train.early_stop_min_delta=-0.1"]),
+            2,
+            "train.early_stop_min_delta",
+        ),
+        (
             train(&["devices.use=some"]),
             2,
             "a list of logical GPU indices",
