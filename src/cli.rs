@@ -147,6 +147,10 @@ pub struct TrainArgs {
     /// Train in this process, without the supervisor (no automatic restarts).
     #[arg(long)]
     pub no_supervisor: bool,
+    /// Resolve and print the config, the devices and the data (every image read once),
+    /// then stop: nothing trained, no run dir made.
+    #[arg(long)]
+    pub dry_run: bool,
     /// Set by the supervisor for the process it starts.
     #[arg(long, hide = true)]
     pub supervised: bool,
@@ -201,6 +205,10 @@ pub struct EvalArgs {
     pub split: Split,
     #[arg(long, value_enum, default_value = "latest")]
     pub checkpoint: Which,
+    /// Override a key of the run's config, e.g. `--set data.root=/other/copy` or
+    /// `--set devices.backend=cpu`; repeatable, applied in order.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub sets: Vec<String>,
 }
 
 #[derive(Debug, clap::Args)]

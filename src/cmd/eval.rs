@@ -17,7 +17,18 @@ pub fn run(args: EvalArgs) -> anyhow::Result<ExitCode> {
         ))
         .into());
     }
-    let config = config::load(&config_path, &[])?;
+    // The model is the checkpoint's own: a [model] key could only be ignored.
+    if let Some(s) = args
+        .sets
+        .iter()
+        .find(|s| s.trim_start().starts_with("model."))
+    {
+        return Err(UsageError(format!(
+            "--set {s}: kiln eval evaluates the model the run trained, as its checkpoint holds it; [model] keys cannot change it (the data, devices and batch size can be set)"
+        ))
+        .into());
+    }
+    let config = config::load(&config_path, &args.sets)?;
     let (checkpoint, state) = pick_checkpoint(&args.run, args.checkpoint == Which::Best)?;
     let plan = super::setup::plan_devices(&config.devices)?;
     let dataset = crate::data::open(&config.data, config.train.seed)?;

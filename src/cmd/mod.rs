@@ -4,6 +4,7 @@
 
 mod bench;
 mod devices;
+mod dry_run;
 mod eval;
 mod launch;
 mod setup;

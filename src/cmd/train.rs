@@ -20,6 +20,9 @@ use crate::train::{Outcome, TrainJob};
 use std::time::Duration;
 
 pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
+    if args.dry_run {
+        return super::dry_run::run(&args);
+    }
     let world = World::read().map_err(DeviceError::from)?;
     // A rank that restarted alone could not rejoin the others: a multi-process run is
     // restarted whole, by `kiln launch` (or by the job script around `srun`).
@@ -43,6 +46,14 @@ const RENDEZVOUS_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// Why CUDA runs cannot promise bitwise repetition (BENCHMARKS.md, "Determinism").
 const NOT_DETERMINISTIC_ON_CUDA: &str = "train.deterministic = true is not available on CUDA with Burn 0.21: cubecl chooses matmul, convolution and reduction kernels by timing them (autotune), so two runs can add in different orders, and Burn has no deterministic mode that pins them. Train on the CPU (devices.backend = \"cpu\"), which repeats exactly, or set train.deterministic = false";
+
+/// `train.deterministic` where the devices cannot keep the promise.
+pub(super) fn refuse_unrepeatable(config: &Config, plan: &DevicePlan) -> anyhow::Result<()> {
+    if config.train.deterministic && matches!(plan, DevicePlan::Cuda { .. }) {
+        return Err(UsageError(NOT_DETERMINISTIC_ON_CUDA.into()).into());
+    }
+    Ok(())
+}
 
 /// Trains in this process: alone, or as one rank of `world`.
 /// `created`: the run dir this call made, if it made one.
@@ -83,9 +94,7 @@ fn train_here(
             return Err(e);
         }
     };
-    if config.train.deterministic && matches!(plan, DevicePlan::Cuda { .. }) {
-        return Err(UsageError(NOT_DETERMINISTIC_ON_CUDA.into()).into());
-    }
+    refuse_unrepeatable(&config, &plan)?;
     let mut run_dir = match (&resume_dir, &args.run_dir) {
         (Some(dir), _) => Some(dir.clone()),
         (None, Some(dir)) => Some(dir.clone()),
@@ -292,7 +301,7 @@ fn one_gpu_per_rank(config: &mut Config, world: &World) {
 /// Every image of both splits read once before training (those checked by an earlier
 /// run are remembered in the cache directory), so a bad file stops the run now, not at
 /// the first evaluation.
-fn check_images(dataset: &crate::data::Dataset, config: &Config) -> anyhow::Result<()> {
+pub(super) fn check_images(dataset: &crate::data::Dataset, config: &Config) -> anyhow::Result<()> {
     use sha2::{Digest, Sha256};
     let id: String = Sha256::digest(dataset.root.display().to_string().as_bytes())
         .iter()

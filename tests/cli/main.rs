@@ -222,6 +222,23 @@ fn training_writes_a_complete_run_dir_and_the_loss_falls() {
         .success()
         .stdout_has("test split")
         .stdout_has("64 images");
+    // The run's config with overrides; [model] keys cannot apply to a trained model.
+    Output::of(
+        kiln()
+            .args(["eval", "--run"])
+            .arg(&run)
+            .args(["--set", "data.synthetic_test_size=32"]),
+    )
+    .success()
+    .stdout_has("32 images");
+    Output::of(
+        kiln()
+            .args(["eval", "--run"])
+            .arg(&run)
+            .args(["--set", "model.arch=resnet18"]),
+    )
+    .code(2)
+    .stderr_has("[model] keys cannot change it");
 }
 
 #[test]
@@ -1105,4 +1122,31 @@ fn early_stopping_ends_a_run_that_stopped_improving_and_says_why() {
         (s["epochs_completed"].as_u64(), s["ended"].as_str()),
         (Some(6), Some("train.epochs reached"))
     );
+}
+
+#[test]
+fn a_dry_run_prints_the_resolved_config_and_makes_nothing() {
+    let out = tempdir("dry-run").join("runs");
+    let o = Output::of(
+        kiln()
+            .args(["train", "--config", DEBUG_TOML, "--dry-run", "--output"])
+            .arg(&out)
+            .args(["--set", "train.epochs=7"]),
+    );
+    o.success()
+        .stderr_has("kiln: devices: cpu")
+        .stderr_has("256 train / 64 test images")
+        .stderr_has("nothing trained");
+    let printed: toml::Value = toml::from_str(&o.stdout).expect("stdout is the config as TOML");
+    assert_eq!(printed["train"]["epochs"].as_integer(), Some(7));
+    assert!(!out.exists(), "a dry run makes no run dir");
+    // What training would refuse, the dry run refuses the same way.
+    Output::of(
+        kiln()
+            .args(["train", "--config", DEBUG_TOML, "--dry-run", "--output"])
+            .arg(&out)
+            .args(["--set", "train.batch_size=0"]),
+    )
+    .code(2)
+    .stderr_has("train.batch_size = 0");
 }
