@@ -39,6 +39,12 @@ pub enum Command {
 130 interrupted (continue with --resume SWEEP_DIR)."
     )]
     Sweep(SweepArgs),
+    /// Print a completion script for a shell, e.g. `kiln completions bash >
+    /// ~/.local/share/bash-completion/completions/kiln`.
+    Completions {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
 }
 
 #[derive(Debug, clap::Args)]

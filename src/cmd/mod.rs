@@ -26,5 +26,13 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Sweep(args) => sweep::run(args),
         Command::Launch(args) => launch::run(args),
         Command::Warmup(args) => warmup::run(args),
+        Command::Completions { shell } => {
+            // Written through `out!`, which a closed pipe cannot end.
+            let mut script = Vec::new();
+            let mut cli = <Cli as clap::CommandFactory>::command();
+            clap_complete::generate(shell, &mut cli, "kiln", &mut script);
+            crate::out!("{}", String::from_utf8_lossy(&script).trim_end());
+            Ok(ExitCode::SUCCESS)
+        }
     }
 }

@@ -1150,3 +1150,17 @@ fn a_dry_run_prints_the_resolved_config_and_makes_nothing() {
     .code(2)
     .stderr_has("train.batch_size = 0");
 }
+
+#[test]
+fn completion_scripts_cover_every_subcommand_and_flag() {
+    for shell in ["bash", "zsh", "fish"] {
+        let o = Output::of(kiln().args(["completions", shell]));
+        o.success();
+        for word in ["train", "launch", "sweep", "dry-run", "max-restarts"] {
+            assert!(o.stdout.contains(word), "{shell} lacks {word}");
+        }
+    }
+    Output::of(kiln().args(["completions", "tcsh"]))
+        .code(2)
+        .stderr_has("possible values");
+}
