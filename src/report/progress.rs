@@ -2,6 +2,7 @@
 //! stderr is not one (logs, CI), and a ticker that shows a slow first CUDA step is
 //! compiling kernels rather than hung.
 
+use std::cell::Cell;
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -14,7 +15,13 @@ pub struct Progress {
     bar: Option<ProgressBar>,
     every: u64,
     epochs: u32,
+    /// When the metrics were last read back for the bar.
+    last_read: Cell<Instant>,
 }
+
+/// How often the bar's loss, accuracy and img/s are refreshed, whatever
+/// `train.log_every_steps` is: each refresh is one read back from the devices.
+const BAR_REFRESH: Duration = Duration::from_secs(1);
 
 impl Progress {
     /// `every`: plain-line interval in steps.
@@ -23,6 +30,7 @@ impl Progress {
             bar: None,
             every,
             epochs,
+            last_read: Cell::new(Instant::now()),
         }
         .terminal(std::io::stderr().is_terminal())
     }
@@ -86,9 +94,15 @@ impl Progress {
         }
     }
 
-    /// Whether step `step` should read metrics back (plain mode reads only on its lines).
+    /// Whether step `step` should read metrics back: for plain mode's lines, and for
+    /// the bar once a second.
     pub fn wants_stats(&self, step: u64) -> bool {
-        step.is_multiple_of(self.every)
+        let due = step.is_multiple_of(self.every)
+            || (self.bar.is_some() && self.last_read.get().elapsed() >= BAR_REFRESH);
+        if due {
+            self.last_read.set(Instant::now());
+        }
+        due
     }
 
     pub fn println(&self, line: &str) {
@@ -162,4 +176,35 @@ fn dir_size(dir: &std::path::Path) -> u64 {
             Err(_) => 0,
         })
         .sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn progress(every: u64, bar: bool) -> Progress {
+        Progress {
+            bar: None,
+            every,
+            epochs: 1,
+            last_read: Cell::new(Instant::now()),
+        }
+        .terminal(bar)
+    }
+
+    #[test]
+    fn the_bar_reads_metrics_every_second_and_plain_lines_every_n_steps() {
+        let (bar, plain) = (progress(100, true), progress(100, false));
+        for p in [&bar, &plain] {
+            assert!(!p.wants_stats(1));
+            assert!(p.wants_stats(100));
+            p.last_read.set(Instant::now() - 2 * BAR_REFRESH);
+        }
+        assert!(bar.wants_stats(101));
+        assert!(!bar.wants_stats(102), "read a moment ago");
+        assert!(
+            !plain.wants_stats(101),
+            "plain mode reads only for its lines"
+        );
+    }
 }
