@@ -92,9 +92,13 @@ where
         .y_label_area_size(55)
         .build_cartesian_2d(0.0..x_max, (lo - pad)..(hi + pad))
         .map_err(|e| e.to_string())?;
+    // As many labels as epochs (up to 12) puts the ticks on whole epochs.
     chart
         .configure_mesh()
         .x_desc("epoch")
+        .y_desc(title)
+        .x_labels((x_max as usize + 1).min(12))
+        .x_label_formatter(&|x| format!("{x:.0}"))
         .draw()
         .map_err(|e| e.to_string())?;
     for (name, color, points) in series {

@@ -115,8 +115,10 @@ pub fn table(spec: &SweepSpec, trials: &[Trial], outcomes: &[Outcome]) -> String
     out
 }
 
-/// `metric.png`: one panel per swept key; numeric values on a linear axis, others by
-/// position in the order they first appear.
+/// `metric.png`: one panel per swept key; numeric values on a linear axis, or a
+/// logarithmic one where they span a factor of 20 or more (learning rates, weight
+/// decays), others by position in the order they first appear. Trials without a metric
+/// (failed, or not finished) are red crosses along the bottom.
 pub fn write_plot(
     path: &Path,
     spec: &SweepSpec,
@@ -137,21 +139,24 @@ pub fn write_plot(
         let root = BitMapBackend::with_buffer(&mut buf, (w, h)).into_drawing_area();
         root.fill(&WHITE).map_err(|e| e.to_string())?;
         for (k, area) in keys.iter().zip(root.split_evenly((1, keys.len()))) {
-            let raw: Vec<(String, f64)> = trials
+            let raw: Vec<(String, Option<f64>)> = trials
                 .iter()
                 .zip(outcomes)
                 .filter_map(|(t, o)| {
                     let v = t.values.iter().find(|(kk, _)| kk == k)?.1.clone();
-                    Some((v, o.metric.filter(|m| m.is_finite())?))
+                    Some((v, o.metric.filter(|m| m.is_finite())))
                 })
                 .collect();
-            let numeric = raw.iter().all(|(v, _)| v.parse::<f64>().is_ok());
+            let numbers: Vec<f64> = raw.iter().filter_map(|(v, _)| v.parse().ok()).collect();
+            let numeric = numbers.len() == raw.len();
+            let log = numeric && log_spaced(&numbers);
             let mut categories: Vec<String> = Vec::new();
-            let pts: Vec<(f64, f64)> = raw
+            let xs: Vec<f64> = raw
                 .iter()
-                .map(|(v, m)| {
-                    let x = if numeric {
-                        v.parse::<f64>().unwrap_or(0.0)
+                .map(|(v, _)| {
+                    if numeric {
+                        let x = v.parse::<f64>().unwrap_or(0.0);
+                        if log { x.log10() } else { x }
                     } else {
                         match categories.iter().position(|c| c == v) {
                             Some(p) => p as f64,
@@ -160,9 +165,19 @@ pub fn write_plot(
                                 (categories.len() - 1) as f64
                             }
                         }
-                    };
-                    (x, *m)
+                    }
                 })
+                .collect();
+            let pts: Vec<(f64, f64)> = xs
+                .iter()
+                .zip(&raw)
+                .filter_map(|(&x, (_, m))| Some((x, (*m)?)))
+                .collect();
+            let failed: Vec<f64> = xs
+                .iter()
+                .zip(&raw)
+                .filter(|(_, (_, m))| m.is_none())
+                .map(|(&x, _)| x)
                 .collect();
             let span = |it: &mut dyn Iterator<Item = f64>| {
                 let (lo, hi) = it.fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), x| {
@@ -176,11 +191,12 @@ pub fn write_plot(
                 }
             };
             let xr = if numeric {
-                span(&mut pts.iter().map(|p| p.0))
+                span(&mut xs.iter().copied())
             } else {
                 -0.5..(categories.len().max(1) as f64 - 0.5)
             };
             let yr = span(&mut pts.iter().map(|p| p.1));
+            let bottom = yr.start;
             let mut chart = ChartBuilder::on(&area)
                 .caption(k, ("sans-serif", 18))
                 .margin(12)
@@ -192,9 +208,13 @@ pub fn write_plot(
             chart
                 .configure_mesh()
                 .y_desc(spec.metric.key())
+                .x_desc(if log { "log scale" } else { "" })
+                .x_labels(6)
                 .x_label_formatter(&|x| {
-                    if numeric {
-                        format!("{x:.3}")
+                    if log {
+                        short_number(10f64.powf(*x))
+                    } else if numeric {
+                        short_number(*x)
                     } else {
                         let i = x.round();
                         if (x - i).abs() < 1e-6 && i >= 0.0 {
@@ -211,12 +231,49 @@ pub fn write_plot(
             chart
                 .draw_series(pts.iter().map(|&p| Circle::new(p, 5, BLUE.filled())))
                 .map_err(|e| e.to_string())?;
+            chart
+                .draw_series(
+                    failed
+                        .iter()
+                        .map(|&x| Cross::new((x, bottom), 6, RED.stroke_width(2))),
+                )
+                .map_err(|e| e.to_string())?
+                .label("no metric (failed or unfinished)")
+                .legend(|(x, y)| Cross::new((x + 6, y), 5, RED.stroke_width(2)));
+            if !failed.is_empty() {
+                chart
+                    .configure_series_labels()
+                    .background_style(WHITE.mix(0.8))
+                    .border_style(BLACK)
+                    .draw()
+                    .map_err(|e| e.to_string())?;
+            }
         }
         root.present().map_err(|e| e.to_string())?;
     }
     let img = image::RgbImage::from_raw(w, h, buf).ok_or("plot buffer size")?;
     img.save(path)
         .map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// Whether positive `values` span a factor of 20 or more: a log axis spreads them.
+fn log_spaced(values: &[f64]) -> bool {
+    let (lo, hi) = values
+        .iter()
+        .fold((f64::INFINITY, 0f64), |(lo, hi), &v| (lo.min(v), hi.max(v)));
+    values.iter().all(|&v| v > 0.0) && hi / lo >= 20.0
+}
+
+/// `x` in few characters: `0.003`, `1e-5`, `250`, `2e6`.
+fn short_number(x: f64) -> String {
+    let a = x.abs();
+    if a != 0.0 && !(1e-3..1e5).contains(&a) {
+        format!("{x:.0e}")
+    } else {
+        let s = format!("{x:.4}");
+        let s = s.trim_end_matches('0').trim_end_matches('.');
+        if s == "-0" { "0".into() } else { s.to_string() }
+    }
 }
 
 #[cfg(test)]
@@ -256,5 +313,19 @@ mod tests {
         outs[0].status = "interrupted".into();
         outs[2].status = "interrupted".into();
         assert_eq!(best(&outs, Goal::Max), None);
+    }
+
+    #[test]
+    fn learning_rates_get_a_log_axis_and_short_tick_labels() {
+        assert!(log_spaced(&[0.001, 0.01, 0.1]));
+        assert!(!log_spaced(&[0.05, 0.1, 0.2]));
+        assert!(!log_spaced(&[0.0, 0.01, 1.0]), "zero has no logarithm");
+        assert_eq!(short_number(0.003), "0.003");
+        assert_eq!(short_number(0.00001), "1e-5");
+        assert_eq!(short_number(250.0), "250");
+        assert_eq!(short_number(0.1 + 0.2), "0.3");
+        assert_eq!(short_number(2e6), "2e6");
+        assert_eq!(short_number(-0.00001), "-1e-5");
+        assert_eq!(short_number(0.0), "0");
     }
 }
