@@ -47,6 +47,35 @@ const RENDEZVOUS_TIMEOUT: Duration = Duration::from_secs(300);
 /// Why CUDA runs cannot promise bitwise repetition (BENCHMARKS.md, "Determinism").
 const NOT_DETERMINISTIC_ON_CUDA: &str = "train.deterministic = true is not available on CUDA with Burn 0.21: cubecl chooses matmul, convolution and reduction kernels by timing them (autotune), so two runs can add in different orders, and Burn has no deterministic mode that pins them. Train on the CPU (devices.backend = \"cpu\"), which repeats exactly, or set train.deterministic = false";
 
+/// The run's dataset, every image checked, described in one line.
+pub(super) fn open_data(config: &Config) -> anyhow::Result<crate::data::Dataset> {
+    let dataset = crate::data::open(&config.data, config.train.seed)?;
+    check_images(&dataset, config)?;
+    crate::say!(
+        "kiln: data: {:?} at {} ({} train / {} test images, {}x{}x{}, {} classes)",
+        config.data.dataset,
+        if dataset.root.as_os_str().is_empty() {
+            "(generated)".into()
+        } else {
+            dataset.root.display().to_string()
+        },
+        dataset.train.len(),
+        dataset.test.len(),
+        dataset.shape().channels,
+        dataset.shape().height,
+        dataset.shape().width,
+        dataset.classes.len()
+    );
+    Ok(dataset)
+}
+
+/// `config` as a run records it: the dataset's absolute location included.
+pub(super) fn as_recorded(config: &Config, dataset: &crate::data::Dataset) -> Config {
+    let mut recorded = config.clone();
+    recorded.data.root = dataset.root.display().to_string();
+    recorded
+}
+
 /// `train.deterministic` where the devices cannot keep the promise.
 pub(super) fn refuse_unrepeatable(config: &Config, plan: &DevicePlan) -> anyhow::Result<()> {
     if config.train.deterministic && matches!(plan, DevicePlan::Cuda { .. }) {
@@ -181,27 +210,8 @@ fn train_here(
         write_devices(&run_dir, &used)
             .with_context(|| format!("writing the device list into {}", run_dir.display()))?;
     }
-    let dataset = crate::data::open(&config.data, config.train.seed)?;
-    check_images(&dataset, &config)?;
-    crate::say!(
-        "kiln: data: {:?} at {} ({} train / {} test images, {}x{}x{}, {} classes)",
-        config.data.dataset,
-        if dataset.root.as_os_str().is_empty() {
-            "(generated)".into()
-        } else {
-            dataset.root.display().to_string()
-        },
-        dataset.train.len(),
-        dataset.test.len(),
-        dataset.shape().channels,
-        dataset.shape().height,
-        dataset.shape().width,
-        dataset.classes.len()
-    );
-
-    // Record the config as resolved: the dataset's absolute location included.
-    let mut resolved = config.clone();
-    resolved.data.root = dataset.root.display().to_string();
+    let dataset = open_data(&config)?;
+    let resolved = as_recorded(&config, &dataset);
     let config_path = run_dir.join("config.toml");
     if lead {
         crate::report::write_atomic(&config_path, config::to_toml(&resolved).as_bytes())
@@ -301,7 +311,7 @@ fn one_gpu_per_rank(config: &mut Config, world: &World) {
 /// Every image of both splits read once before training (those checked by an earlier
 /// run are remembered in the cache directory), so a bad file stops the run now, not at
 /// the first evaluation.
-pub(super) fn check_images(dataset: &crate::data::Dataset, config: &Config) -> anyhow::Result<()> {
+fn check_images(dataset: &crate::data::Dataset, config: &Config) -> anyhow::Result<()> {
     use sha2::{Digest, Sha256};
     let id: String = Sha256::digest(dataset.root.display().to_string().as_bytes())
         .iter()

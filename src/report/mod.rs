@@ -11,7 +11,7 @@ mod summary;
 pub use balance::{DeviceLoad, balance_report};
 pub use csv::write_metrics;
 pub use epoch::{EpochRecord, epoch_line};
-pub use plot::{register_font, write_curves};
+pub use plot::{draw_legend, register_font, write_curves};
 pub use progress::{Progress, Ticker};
 pub use summary::{Summary, write_summary};
 

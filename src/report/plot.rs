@@ -116,13 +116,22 @@ where
             .draw_series(points.iter().map(|p| Circle::new(*p, 3, color.filled())))
             .map_err(|e| e.to_string())?;
     }
+    draw_legend(&mut chart)
+}
+
+/// The legend of `chart`'s labelled series, boxed, as every kiln plot draws it.
+pub fn draw_legend<'a, DB, CT>(chart: &mut ChartContext<'a, DB, CT>) -> Result<(), String>
+where
+    DB: DrawingBackend + 'a,
+    CT: CoordTranslate,
+    DB::ErrorType: 'static,
+{
     chart
         .configure_series_labels()
         .background_style(WHITE.mix(0.8))
         .border_style(BLACK)
         .draw()
-        .map_err(|e| e.to_string())?;
-    Ok(())
+        .map_err(|e| e.to_string())
 }
 
 #[cfg(test)]

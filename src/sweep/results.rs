@@ -241,12 +241,7 @@ pub fn write_plot(
                 .label("no metric (failed or unfinished)")
                 .legend(|(x, y)| Cross::new((x + 6, y), 5, RED.stroke_width(2)));
             if !failed.is_empty() {
-                chart
-                    .configure_series_labels()
-                    .background_style(WHITE.mix(0.8))
-                    .border_style(BLACK)
-                    .draw()
-                    .map_err(|e| e.to_string())?;
+                crate::report::draw_legend(&mut chart)?;
             }
         }
         root.present().map_err(|e| e.to_string())?;
