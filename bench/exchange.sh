@@ -5,7 +5,7 @@ cd "$(dirname "$0")/.."
 source bench/lib.sh
 GPUS=$(nvidia-smi -L | wc -l)
 R18=(--model resnet18 --image-size 32 --batch 256 --steps 50 --warmup 10)
-R50=(--model resnet50 --image-size 224 --batch 128 --steps 20 --warmup 5 --precision bf16 --channels-last)
+R50=(--model resnet50 --image-size 224 --batch 128 --steps 40 --warmup 5 --precision bf16 --channels-last)
 NCCL=(--set parallel.exchange=nccl)
 for i in 1 2; do
   CAP=90 kbench r18-plain-$i "${R18[@]}" --devices 0

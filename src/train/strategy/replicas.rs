@@ -6,7 +6,12 @@
 //! whole batch.
 //!
 //! The main device's worker trains the main model itself and hands the summed
-//! gradients to the main thread, which takes the optimizer step. `ddp`: every other
+//! gradients to the main thread, which takes the optimizer step. That worker queues
+//! its work under the main thread's `StreamId`: Burn's fusion and cubecl keep one
+//! stream per `StreamId`, and a buffer used on another stream than the one that wrote
+//! it costs an event wait and a slot in a garbage-collection queue of 8 that makes the
+//! host wait for the GPU when full; with two streams, every optimizer step paid that
+//! for every parameter and gradient. `ddp`: every other
 //! worker keeps a replica and an optimizer and takes the same step on the same sum.
 //! `dp`: only the main model steps; the other replicas take its weights from the
 //! exchange at the start of the next step. Replicas start from one broadcast of the
@@ -29,7 +34,7 @@ use std::time::Duration;
 
 use burn::module::{ModuleMapper, Param};
 use burn::optim::GradientsParams;
-use burn::tensor::{FloatDType, Tensor};
+use burn::tensor::{FloatDType, StreamId, Tensor};
 
 use super::single::read_totals;
 use super::{
@@ -148,6 +153,7 @@ impl<B: TrainBackend, M: Replicable<B>> Replicas<B, M> {
             wire,
             bucket_bytes,
         } = exchanges;
+        let main_stream = StreamId::current();
         let workers = devices
             .iter()
             .zip(exchanges)
@@ -164,9 +170,13 @@ impl<B: TrainBackend, M: Replicable<B>> Replicas<B, M> {
                     wire,
                     bucket_bytes,
                 };
+                let stream = (i == 0).then_some(main_stream);
                 let handle = std::thread::Builder::new()
                     .name(format!("kiln-replica-{i}"))
-                    .spawn(move || worker_loop::<B, M>(ends))
+                    .spawn(move || match stream {
+                        Some(s) => s.executes(|| worker_loop::<B, M>(ends)),
+                        None => worker_loop::<B, M>(ends),
+                    })
                     .expect("spawning a replica thread should succeed");
                 Worker { jobs, handle }
             })
@@ -1087,6 +1097,52 @@ mod tests {
             model = r.sync_buffers(model, 3).unwrap();
             assert_eq!(buffers(&model), once, "{strategy:?}");
         }
+    }
+
+    /// Records which `StreamId` each replica thread runs its forward pass under.
+    #[derive(Module, Debug)]
+    struct StreamSpy<B: Backend> {
+        inner: NoBn<B>,
+    }
+
+    static SEEN: Mutex<Vec<(String, u64)>> = Mutex::new(Vec::new());
+
+    impl<B: Backend> Classifier<B> for StreamSpy<B> {
+        fn forward(&self, x: Tensor<B, 4>) -> Tensor<B, 2> {
+            let thread = std::thread::current().name().unwrap_or("").to_string();
+            SEEN.lock()
+                .unwrap()
+                .push((thread, StreamId::current().value));
+            self.inner.forward(x)
+        }
+    }
+
+    #[test]
+    fn the_main_replica_queues_on_the_main_threads_stream_and_the_others_on_their_own() {
+        let _rng = rng_lock();
+        let model = crate::model::materialize(StreamSpy::<TestBackend> {
+            inner: NoBn {
+                conv: Conv2dConfig::new([3, 4], [1, 1]).init(&device()),
+                fc: LinearConfig::new(4 * 36, 3).init(&device()),
+            },
+        });
+        let cfg = Config::default();
+        let mut r = replicas::<StreamSpy<TestBackend>>(2, &cfg);
+        let mut optim = Optim::new(&cfg.optim);
+        SEEN.lock().unwrap().clear();
+        steps(&mut r, model, &mut optim, &[batch(6), batch(6)]);
+        let main = StreamId::current().value;
+        let seen = SEEN.lock().unwrap().clone();
+        let on = |name: &str| -> Vec<u64> {
+            seen.iter()
+                .filter(|(t, _)| t == name)
+                .map(|(_, s)| *s)
+                .collect()
+        };
+        assert_eq!(on("kiln-replica-0"), vec![main, main], "{seen:?}");
+        let other = on("kiln-replica-1");
+        assert_eq!(other.len(), 2, "{seen:?}");
+        assert!(other.iter().all(|s| *s != main), "{seen:?}");
     }
 
     /// Panics in forward when its shard holds a NaN: a replica that fails.
