@@ -21,6 +21,10 @@ pub enum Command {
     Train(TrainArgs),
     /// Evaluate a run's saved model on a dataset split.
     Eval(EvalArgs),
+    /// Classify image files (PNG, JPEG; folders are searched) with a run's saved model.
+    Predict(PredictArgs),
+    /// Write a run's saved model as safetensors under torchvision's names, for PyTorch.
+    Export(ExportArgs),
     /// Show the GPUs kiln can see and how CUDA_VISIBLE_DEVICES maps them.
     Devices(DevicesArgs),
     /// Measure training throughput on synthetic data (same model and step as `train`).
@@ -215,6 +219,45 @@ pub struct EvalArgs {
     /// `--set devices.backend=cpu`; repeatable, applied in order.
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub sets: Vec<String>,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct PredictArgs {
+    /// A run directory made by `kiln train`.
+    #[arg(long = "run", value_name = "RUN_DIR")]
+    pub run: PathBuf,
+    /// Image files, or folders to search for them.
+    #[arg(value_name = "IMAGE", required = true)]
+    pub images: Vec<PathBuf>,
+    #[arg(long, value_enum, default_value = "best")]
+    pub checkpoint: Which,
+    /// Classes shown per image, most probable first.
+    #[arg(long, default_value_t = 3)]
+    pub top_k: usize,
+    /// Which GPUs (the first is used), as for `train`; `--set devices.backend=cpu` for the CPU.
+    #[arg(long, value_name = "GPUS", value_parser = devices_spec)]
+    pub devices: Option<String>,
+    /// Override a key of the run's config (devices, data.num_workers); repeatable.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub sets: Vec<String>,
+    /// Print JSON instead of one line per image.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct ExportArgs {
+    /// A run directory made by `kiln train`.
+    #[arg(long = "run", value_name = "RUN_DIR")]
+    pub run: PathBuf,
+    #[arg(long, value_enum, default_value = "best")]
+    pub checkpoint: Which,
+    /// The file to write (`.safetensors`).
+    #[arg(long, value_name = "FILE")]
+    pub output: PathBuf,
+    /// Replace the file if it exists.
+    #[arg(long)]
+    pub force: bool,
 }
 
 #[derive(Debug, clap::Args)]

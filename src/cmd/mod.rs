@@ -6,7 +6,9 @@ mod bench;
 mod devices;
 mod dry_run;
 mod eval;
+mod export;
 mod launch;
+mod predict;
 mod setup;
 mod supervise;
 mod sweep;
@@ -21,6 +23,8 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::Train(args) => train::run(args),
         Command::Eval(args) => eval::run(args),
+        Command::Predict(args) => predict::run(args),
+        Command::Export(args) => export::run(args),
         Command::Devices(args) => devices::run(args),
         Command::Bench(args) => bench::run(args),
         Command::Sweep(args) => sweep::run(args),

@@ -19,6 +19,32 @@ pub fn resolve_train(args: &TrainArgs) -> anyhow::Result<Resolved> {
     })?)
 }
 
+/// The config of the run in `run` (made by `kiln train`) with `sets` applied, for a
+/// command (`eval`, `predict`) that uses the run's saved model: `[model]` keys are
+/// refused, since the checkpoint fixes the model.
+pub fn run_config(
+    run: &std::path::Path,
+    sets: &[String],
+    command: &str,
+) -> anyhow::Result<crate::config::Config> {
+    use crate::exit::UsageError;
+    let config_path = run.join("config.toml");
+    if !config_path.is_file() {
+        return Err(UsageError(format!(
+            "--run {}: not a kiln run directory (no config.toml)",
+            run.display()
+        ))
+        .into());
+    }
+    if let Some(s) = sets.iter().find(|s| s.trim_start().starts_with("model.")) {
+        return Err(UsageError(format!(
+            "--set {s}: kiln {command} uses the model the run trained, as its checkpoint holds it; [model] keys cannot change it (the data, devices and batch size can be set)"
+        ))
+        .into());
+    }
+    Ok(crate::config::load(&config_path, sets)?)
+}
+
 /// Where kernels are cached, how they are tuned, what cuDNN runs (convolutions,
 /// BatchNorm) and how batches are uploaded, from the config and the plan (cuDNN is
 /// looked for on the first GPU).

@@ -11,6 +11,15 @@ use super::source::{Shape, Source};
 
 const EXTENSIONS: [&str; 3] = ["png", "jpg", "jpeg"];
 
+/// Whether `path` names a PNG or JPEG file by its extension.
+pub fn is_image_file(path: &Path) -> bool {
+    let ext = path
+        .extension()
+        .map(|e| e.to_string_lossy().to_lowercase())
+        .unwrap_or_default();
+    EXTENSIONS.contains(&ext.as_str())
+}
+
 pub struct ImageFolder {
     files: Vec<(PathBuf, u16)>,
     shape: Shape,
@@ -88,11 +97,7 @@ impl ImageFolder {
                 if file_name.starts_with('.') {
                     continue;
                 }
-                let ext = path
-                    .extension()
-                    .map(|e| e.to_string_lossy().to_lowercase())
-                    .unwrap_or_default();
-                if !EXTENSIONS.contains(&ext.as_str()) {
+                if !is_image_file(&path) {
                     return Err(DataError::malformed(
                         &path,
                         "unknown image format: expected a .png, .jpg or .jpeg file",
@@ -140,6 +145,16 @@ impl ImageFolder {
                 width,
             },
         })
+    }
+}
+
+impl ImageFolder {
+    /// `files` as one unlabelled set, decoded to `shape` (grey or RGB as it says).
+    pub fn from_files(files: Vec<PathBuf>, shape: Shape) -> Self {
+        ImageFolder {
+            files: files.into_iter().map(|f| (f, 0)).collect(),
+            shape,
+        }
     }
 }
 

@@ -15,6 +15,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 pub use error::DataError;
+pub use image_folder::is_image_file;
 pub use loader::{Batch, Loader};
 pub use source::{Shape, Source};
 pub use transform::{Augment, Normalization};
@@ -118,6 +119,55 @@ impl Dataset {
             cfg.prefetch,
         )
     }
+}
+
+/// What a network trained on a dataset takes: the image shape and the normalisation
+/// its pixels had. Recorded with every checkpoint, so a run's model can classify new
+/// images (`kiln predict`) and be exported without the dataset at hand.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct InputSpec {
+    pub channels: usize,
+    pub height: usize,
+    pub width: usize,
+    pub norm: Normalization,
+}
+
+impl Dataset {
+    pub fn input(&self) -> InputSpec {
+        let shape = self.train.shape();
+        InputSpec {
+            channels: shape.channels,
+            height: shape.height,
+            width: shape.width,
+            norm: self.norm.clone(),
+        }
+    }
+}
+
+/// Every image in `files` (labels all 0), in order, decoded to `input`'s shape and
+/// normalised as the network's training images were: what `kiln predict` classifies.
+pub fn file_loader(
+    files: Vec<PathBuf>,
+    input: &InputSpec,
+    batch_size: usize,
+    workers: usize,
+) -> Loader {
+    let shape = source::Shape {
+        channels: input.channels,
+        height: input.height,
+        width: input.width,
+    };
+    let source = image_folder::ImageFolder::from_files(files, shape);
+    Loader::new(
+        Arc::new(source),
+        Arc::new(input.norm.clone()),
+        None,
+        batch_size,
+        false,
+        0,
+        workers,
+        2,
+    )
 }
 
 /// `data.root` made absolute: empty means the dataset's usual place.

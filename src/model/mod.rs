@@ -4,6 +4,7 @@ mod block;
 mod flavors;
 mod precision;
 mod resnet;
+pub mod torchvision;
 
 pub use precision::Compute;
 pub use resnet::{ModelSpec, ResNet};

@@ -138,6 +138,7 @@ pub fn fit<B: TrainBackend>(
         (state, model, optim) =
             checkpointer.restore(state, model, optim, &device, &mut |n| progress.println(&n))?;
     }
+    state.input = Some(dataset.input());
     // fp16 needs a loss scale: a resumed run keeps its own, a new run (or one resumed
     // from fp32 or bf16) starts one; other precisions drop it.
     state.loss_scale = LossScale::for_precision(cfg.train.precision)

@@ -5,6 +5,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::loss_scale::LossScale;
+use crate::data::InputSpec;
 use crate::model::ModelSpec;
 use crate::report::{EpochRecord, Summary};
 
@@ -46,6 +47,9 @@ pub struct TrainState {
     /// to it, so that the epoch's row after a resume covers the whole epoch.
     #[serde(default)]
     pub epoch_so_far: Option<EpochSoFar>,
+    /// What the network takes (absent in checkpoints written before it was recorded).
+    #[serde(default)]
+    pub input: Option<InputSpec>,
 }
 
 /// An epoch's running training totals and times, up to a checkpoint inside it.
@@ -93,6 +97,7 @@ impl TrainState {
             checkpoint_write_s: 0.0,
             loss_scale: None,
             epoch_so_far: None,
+            input: None,
         }
     }
 

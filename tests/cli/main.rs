@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 mod reliability;
+mod trained_model;
 
 const DEBUG_TOML: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/configs/debug.toml");
 
