@@ -3,6 +3,7 @@
 //! report. The sampler decides when to sample.
 
 use super::nvml::{GpuUsage, UsageMonitor};
+use crate::report::DeviceUsage;
 
 /// NVML is sampled every this many steps (and at the end of each epoch).
 const EVERY_STEPS: u64 = 25;
@@ -30,9 +31,24 @@ impl UsageSampler {
         }
     }
 
-    /// The epoch's line (devices named `names`), and a fresh window for the next one.
-    pub fn take_line(&mut self, names: &[String]) -> Option<String> {
-        std::mem::take(&mut self.window).line(names)
+    /// The epoch's line (devices named `names`) and, per device, its name, peak memory
+    /// in GiB and mean utilisation in percent; a fresh window for the next epoch.
+    pub fn take(&mut self, names: &[String]) -> (Option<String>, Vec<DeviceUsage>) {
+        let window = std::mem::take(&mut self.window);
+        let per_device = window
+            .devices
+            .iter()
+            .zip(names)
+            .filter_map(|(d, name)| {
+                let (peak, _, sum, n) = (*d)?;
+                Some(DeviceUsage {
+                    name: name.clone(),
+                    memory_gib: peak as f64 / 1024.0,
+                    busy_percent: (n > 0).then(|| sum as f64 / n as f64),
+                })
+            })
+            .collect();
+        (window.line(names), per_device)
     }
 }
 

@@ -7,6 +7,7 @@ mod epoch;
 mod plot;
 mod progress;
 mod summary;
+mod tensorboard;
 
 pub use balance::{DeviceLoad, balance_report};
 pub use csv::write_metrics;
@@ -14,6 +15,7 @@ pub use epoch::{EpochRecord, epoch_line};
 pub use plot::{draw_legend, register_font, write_curves};
 pub use progress::{Progress, Ticker};
 pub use summary::{Summary, write_summary};
+pub use tensorboard::{Board, DeviceUsage};
 
 use std::path::Path;
 

@@ -27,7 +27,7 @@ use crate::config::Config;
 use crate::data::Dataset;
 use crate::device::{UsageMonitor, UsageSampler};
 use crate::ops::TrainBackend;
-use crate::report::{self, EpochRecord, Progress, Ticker, epoch_line};
+use crate::report::{self, Board, DeviceUsage, EpochRecord, Progress, Ticker, epoch_line};
 use crate::run::failure::{Failure, write_failure};
 
 /// How `fit` ended.
@@ -133,6 +133,8 @@ pub fn fit<B: TrainBackend>(
         u64::MAX
     };
     let progress = Progress::new(log_every, cfg.train.epochs);
+    let warn = |w: String| progress.println(&format!("kiln: warning: {w}"));
+    let mut board = Board::open(lead.then_some(run_dir.as_path()));
     let (mut model, mut optim) = (built.model, built.optim);
     if resume {
         (state, model, optim) =
@@ -223,6 +225,8 @@ pub fn fit<B: TrainBackend>(
                 check_finite(loss, state.step)?;
                 let ips = window.1 as f64 / window.0.elapsed().as_secs_f64();
                 window = (Instant::now(), 0);
+                let scale = state.loss_scale.map(|l| l.scale);
+                board.progress(state.step, loss, acc, ips, span.lr, scale, &warn);
                 Some((loss, acc, ips))
             } else {
                 None
@@ -257,7 +261,8 @@ pub fn fit<B: TrainBackend>(
         if lead {
             progress.println(&epoch_line(&record, cfg.train.epochs));
         }
-        announce_load(&mut learner, &mut usage, &names, &progress);
+        let devices = announce_load(&mut learner, &mut usage, &names, &progress);
+        board.epoch(&record, &devices, &warn);
         let measured = (!record.test_acc.is_nan()).then_some(record.test_acc);
         state.history.push(record);
         state.epoch += 1;
@@ -394,13 +399,14 @@ impl EpochSpan {
     }
 }
 
-/// The epoch's balance between devices and their usage, when there are such.
+/// The epoch's balance between devices and their usage, when there are such; the
+/// usage per device.
 fn announce_load<B: TrainBackend>(
     learner: &mut Learner<B>,
     usage: &mut UsageSampler,
     names: &[String],
     progress: &Progress,
-) {
+) -> Vec<DeviceUsage> {
     let load = learner.strategy().take_load();
     if !load.is_empty() {
         let (line, warning) = report::balance_report(&load);
@@ -409,9 +415,11 @@ fn announce_load<B: TrainBackend>(
             progress.println(&format!("kiln: warning: {w}"));
         }
     }
-    if let Some(line) = usage.take_line(names) {
+    let (line, per_device) = usage.take(names);
+    if let Some(line) = line {
         progress.println(&format!("kiln: gpus: {line}"));
     }
+    per_device
 }
 
 fn check_finite(loss: f64, step: u64) -> Result<(), TrainError> {

@@ -197,6 +197,16 @@ fn training_writes_a_complete_run_dir_and_the_loss_falls() {
     ] {
         assert!(run.join(f).is_file(), "{f} missing");
     }
+    // TensorBoard's event file, with the test accuracy among its tags (the format and
+    // its checksums are tested in report::tensorboard).
+    let events: Vec<PathBuf> = std::fs::read_dir(&run)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.to_string_lossy().contains("events.out.tfevents."))
+        .collect();
+    assert_eq!(events.len(), 1, "{events:?}");
+    let bytes = std::fs::read(&events[0]).unwrap();
+    assert!(bytes.windows(13).any(|w| w == b"test/accuracy"));
     let rows = metrics(&run);
     assert_eq!(rows.len(), 4);
     let loss = |r: &Vec<String>| r[3].parse::<f64>().unwrap();
