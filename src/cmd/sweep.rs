@@ -45,6 +45,16 @@ pub fn run(args: SweepArgs) -> anyhow::Result<ExitCode> {
         None if on_slurm => Launcher::Slurm,
         None => Launcher::Local,
     };
+    if launcher == Launcher::Slurm
+        && let Some(file) = &args.config
+        && SweepSpec::load(file).is_ok_and(|s| s.asha.is_some())
+    {
+        return Err(UsageError(format!(
+            "{}: [asha] stops trials as their epochs end, which only the local launcher does; remove [asha] to sweep through Slurm",
+            file.display()
+        ))
+        .into());
+    }
     if launcher == Launcher::Local
         && let Some((_, flag)) = slurm_flags.iter().find(|(given, _)| *given)
     {
@@ -55,6 +65,8 @@ pub fn run(args: SweepArgs) -> anyhow::Result<ExitCode> {
             let mut spec = SweepSpec::load(file).map_err(|e| UsageError(e.to_string()))?;
             let trials = spec.trials();
             spec.check(file, &trials)
+                .map_err(|e| UsageError(e.to_string()))?;
+            spec.asha_rungs(file, &trials)
                 .map_err(|e| UsageError(e.to_string()))?;
             // Kept with an absolute base, so --resume works from anywhere.
             spec.base = std::path::absolute(spec.base_path(file))
@@ -121,10 +133,19 @@ pub fn run(args: SweepArgs) -> anyhow::Result<ExitCode> {
         }
     };
     write_results(&spec, &sweep_dir, &trials, &outcomes)?;
+    let stopped = outcomes
+        .iter()
+        .filter(|o| o.status == runner::STOPPED_BY_ASHA)
+        .count();
     crate::say!(
-        "kiln sweep: {} of {} trials finished in {:.0} s",
+        "kiln sweep: {} of {} trials finished{} in {:.0} s",
         outcomes.iter().filter(|o| o.status == "finished").count(),
         trials.len(),
+        if spec.asha.is_some() {
+            format!(", {stopped} stopped by ASHA")
+        } else {
+            String::new()
+        },
         started.elapsed().as_secs_f64()
     );
     if interrupt.load(Ordering::SeqCst) {
@@ -138,11 +159,16 @@ pub fn run(args: SweepArgs) -> anyhow::Result<ExitCode> {
         );
         return Ok(ExitCode::from(INTERRUPTED));
     }
-    Ok(if outcomes.iter().all(|o| o.status == "finished") {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::from(1)
-    })
+    Ok(
+        if outcomes
+            .iter()
+            .all(|o| o.status == "finished" || o.status == runner::STOPPED_BY_ASHA)
+        {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::from(1)
+        },
+    )
 }
 
 /// The trials on this machine's GPU (or CPU) slots.
@@ -171,6 +197,15 @@ fn run_local(
             .collect::<Vec<_>>()
             .join(", ")
     );
+    let rungs = spec
+        .asha_rungs(&sweep_dir.join(SPEC), trials)
+        .map_err(|e| UsageError(e.to_string()))?;
+    if let Some(r) = &rungs {
+        crate::say!(
+            "kiln sweep: ASHA judges trials at epochs {r:?}, keeping the best 1/{} at each",
+            spec.asha.as_ref().map_or(0, |a| a.reduction)
+        );
+    }
     let plan = Plan {
         spec,
         base: &spec.base,
@@ -178,6 +213,7 @@ fn run_local(
         exe,
         slots: &slots,
         signals,
+        asha_rungs: rungs.as_deref(),
     };
     runner::run(&plan, trials).with_context(|| format!("running trials in {}", sweep_dir.display()))
 }

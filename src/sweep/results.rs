@@ -94,14 +94,14 @@ pub fn write_csv(
 /// The ranked table printed at the end.
 pub fn table(spec: &SweepSpec, trials: &[Trial], outcomes: &[Outcome]) -> String {
     let mut out = format!(
-        "rank  trial  {:<12}  status       settings\n",
+        "rank  trial  {:<12}  status           settings\n",
         spec.metric.key()
     );
     for (rank, &i) in ranking(outcomes, spec.goal).iter().enumerate() {
         let o = &outcomes[i];
         let _ = writeln!(
             out,
-            "{:>4}  {:>5}  {:<12}  {:<11}  {}",
+            "{:>4}  {:>5}  {:<12}  {:<15}  {}",
             rank + 1,
             i,
             o.metric.map_or("-".into(), |m| format!("{m:.4}")),

@@ -13,7 +13,8 @@ use std::time::{Duration, Instant};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
 
-use super::spec::{SweepSpec, Trial};
+use super::asha::{Decision, Rungs};
+use super::spec::{Goal, Metric, SweepSpec, Trial};
 use crate::run::signals::Signals;
 
 /// Where trials run.
@@ -72,7 +73,7 @@ pub fn slots(
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Outcome {
     pub index: usize,
-    /// `finished`, `failed`, `interrupted` or `not run`.
+    /// `finished`, `stopped by asha`, `failed`, `interrupted` or `not run`.
     pub status: String,
     pub exit_code: Option<i32>,
     pub metric: Option<f64>,
@@ -137,13 +138,102 @@ fn progress(run_dir: &Path) -> Option<(usize, String)> {
     Some((rows.len(), acc))
 }
 
-/// The trial's outcome if an earlier run of the sweep finished it.
+/// How a trial stopped by ASHA is named in outcomes and `results.csv`.
+pub const STOPPED_BY_ASHA: &str = "stopped by asha";
+
+/// The file in a trial's folder that records ASHA's decision to stop it, so that a
+/// resumed sweep does not train it on.
+const ASHA_STOP: &str = "asha-stopped.json";
+
+/// Each finished epoch's test metric (`column` of `metrics.csv`), in epoch order.
+fn epoch_metrics(run_dir: &Path, column: &str) -> Vec<(u32, f64)> {
+    let Ok(text) = std::fs::read_to_string(run_dir.join("metrics.csv")) else {
+        return Vec::new();
+    };
+    let mut lines = text.lines();
+    let header: Vec<&str> = lines.next().unwrap_or("").split(',').collect();
+    let (Some(e), Some(c)) = (
+        header.iter().position(|h| *h == "epoch"),
+        header.iter().position(|h| *h == column),
+    ) else {
+        return Vec::new();
+    };
+    lines
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split(',').collect();
+            Some((f.get(e)?.parse().ok()?, f.get(c)?.parse().ok()?))
+        })
+        .collect()
+}
+
+/// ASHA in a running sweep: the rungs and what is compared there.
+pub struct Asha {
+    rungs: Rungs,
+    reduction: u32,
+    goal: Goal,
+    /// The `metrics.csv` column the sweep's metric is made of.
+    column: &'static str,
+}
+
+impl Asha {
+    pub fn new(spec: &SweepSpec, rung_epochs: &[u32]) -> Option<Self> {
+        let a = spec.asha.as_ref()?;
+        Some(Asha {
+            rungs: Rungs::new(rung_epochs),
+            reduction: a.reduction,
+            goal: spec.goal,
+            column: match spec.metric {
+                Metric::BestTestAcc | Metric::FinalTestAcc => "test_acc",
+                Metric::FinalTestLoss => "test_loss",
+            },
+        })
+    }
+
+    /// Reports the epochs of `run_dir` after `after` for `trial`; the last epoch
+    /// reported and, when a rung stops the trial, the line that says why.
+    fn report(&mut self, trial: usize, run_dir: &Path, after: u32) -> (u32, Option<String>) {
+        let mut last = after;
+        for (epoch, value) in epoch_metrics(run_dir, self.column) {
+            if epoch <= last {
+                continue;
+            }
+            last = epoch;
+            let d = self
+                .rungs
+                .report(trial, epoch, value, self.goal, self.reduction);
+            if let Decision::Stop { rung, cutoff } = d {
+                let n = self
+                    .rungs
+                    .counts()
+                    .into_iter()
+                    .find(|(e, _)| *e == rung)
+                    .map_or(0, |c| c.1);
+                let why = format!(
+                    "kiln sweep: trial {trial} stopped by ASHA at epoch {rung}: {} {value:.4}, the best 1/{} of the {n} trial(s) at this rung needed {cutoff:.4}",
+                    self.column, self.reduction
+                );
+                return (last, Some(why));
+            }
+        }
+        (last, None)
+    }
+}
+
+/// The trial's outcome if an earlier run of the sweep finished it, or ASHA stopped it.
 pub fn finished_earlier(sweep_dir: &Path, trial: &Trial, metric: &str) -> Option<Outcome> {
-    let run = run_dir(&trial_dir(sweep_dir, trial.index))?;
+    let dir = trial_dir(sweep_dir, trial.index);
+    let run = run_dir(&dir)?;
     let (status, value) = summary(&run, metric)?;
-    (status == "finished").then(|| Outcome {
+    let status = if dir.join(ASHA_STOP).is_file() {
+        STOPPED_BY_ASHA
+    } else if status == "finished" {
+        "finished"
+    } else {
+        return None;
+    };
+    Some(Outcome {
         index: trial.index,
-        status: "finished".into(),
+        status: status.into(),
         exit_code: Some(0),
         metric: value,
         run_dir: Some(run),
@@ -205,6 +295,10 @@ struct Running {
     trial: Trial,
     child: Child,
     started: Instant,
+    /// The last epoch ASHA has seen.
+    reported: u32,
+    /// ASHA stopped it: it was sent SIGTERM (and checkpoints on its way out).
+    stopped: bool,
 }
 
 /// Everything a sweep run needs besides the trials.
@@ -216,18 +310,35 @@ pub struct Plan<'a> {
     pub slots: &'a [Slot],
     /// Trials get this process's signals (and die with it).
     pub signals: &'a Signals,
+    /// `[asha]`'s rungs (epochs), when the sweep has it.
+    pub asha_rungs: Option<&'a [u32]>,
 }
 
 /// Runs `trials` (skipping those already finished), returns every trial's outcome in
 /// trial order.
 pub fn run(plan: &Plan, trials: &[Trial]) -> std::io::Result<Vec<Outcome>> {
     let metric = plan.spec.metric.key();
+    let mut asha = plan.asha_rungs.and_then(|r| Asha::new(plan.spec, r));
+    // A resumed sweep's rungs hold what its trials reached before.
+    let mut reported = vec![0u32; trials.len()];
+    if let Some(a) = &mut asha {
+        for t in trials {
+            if let Some(run) = run_dir(&trial_dir(plan.sweep_dir, t.index)) {
+                reported[t.index] = a.report(t.index, &run, 0).0;
+            }
+        }
+    }
     let mut outcomes: Vec<Option<Outcome>> = vec![None; trials.len()];
     let mut queue: Vec<&Trial> = Vec::new();
     for t in trials {
         match finished_earlier(plan.sweep_dir, t, metric) {
             Some(outcome) => {
-                crate::say!("kiln sweep: trial {} finished earlier, skipped", t.index);
+                let how = if outcome.status == STOPPED_BY_ASHA {
+                    "was stopped by ASHA"
+                } else {
+                    "finished"
+                };
+                crate::say!("kiln sweep: trial {} {how} earlier, skipped", t.index);
                 outcomes[t.index] = Some(outcome);
             }
             None => queue.push(t),
@@ -258,9 +369,11 @@ pub fn run(plan: &Plan, trials: &[Trial]) -> std::io::Result<Vec<Outcome>> {
             ));
             running.push(Running {
                 slot,
+                reported: reported[trial.index],
                 trial,
                 child,
                 started: Instant::now(),
+                stopped: false,
             });
         }
         bar.set_position(ended as u64);
@@ -273,6 +386,23 @@ pub fn run(plan: &Plan, trials: &[Trial]) -> std::io::Result<Vec<Outcome>> {
             break;
         }
         std::thread::sleep(Duration::from_millis(200));
+        if let Some(a) = &mut asha {
+            for r in running.iter_mut().filter(|r| !r.stopped) {
+                let dir = trial_dir(plan.sweep_dir, r.trial.index);
+                let Some(run) = run_dir(&dir) else { continue };
+                let (last, stop) = a.report(r.trial.index, &run, r.reported);
+                r.reported = last;
+                if let Some(why) = stop {
+                    say(why.clone());
+                    // Recorded first: a sweep interrupted now still knows on resume.
+                    let _ = std::fs::write(dir.join(ASHA_STOP), format!("{why}\n"));
+                    // The trial's supervisor passes it on; the trial checkpoints and ends.
+                    // SAFETY: kill(2) on the pid of a child not yet waited for.
+                    unsafe { libc::kill(r.child.id() as i32, libc::SIGTERM) };
+                    r.stopped = true;
+                }
+            }
+        }
         let mut i = 0;
         while i < running.len() {
             let Some(status) = running[i].child.try_wait()? else {
@@ -283,7 +413,7 @@ pub fn run(plan: &Plan, trials: &[Trial]) -> std::io::Result<Vec<Outcome>> {
             plan.signals.forget(r.child.id());
             free.push(r.slot);
             ended += 1;
-            let outcome = self::ended(
+            let mut outcome = self::ended(
                 plan.sweep_dir,
                 &r.trial,
                 metric,
@@ -291,6 +421,10 @@ pub fn run(plan: &Plan, trials: &[Trial]) -> std::io::Result<Vec<Outcome>> {
                 plan.slots[r.slot].label.clone(),
                 r.started.elapsed().as_secs_f64(),
             );
+            if r.stopped && outcome.status != "finished" {
+                outcome.status = STOPPED_BY_ASHA.into();
+                outcome.log_tail.clear();
+            }
             say(ended_line(&outcome, metric, &format!(" [{ended}/{total}]")));
             outcomes[r.trial.index] = Some(outcome);
         }

@@ -11,6 +11,7 @@ use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 use toml::Value;
 
+use super::asha::AshaSpec;
 use crate::config;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -92,6 +93,9 @@ pub struct SweepSpec {
     /// `kiln sweep --launcher slurm`: what each array element asks Slurm for.
     #[serde(default)]
     pub slurm: SlurmSpec,
+    /// Stop trials that fall behind at rungs of epochs (asynchronous successive halving).
+    #[serde(default)]
+    pub asha: Option<AshaSpec>,
 }
 
 /// `[slurm]` of a sweep file; `kiln sweep` flags of the same names override it.
@@ -311,6 +315,60 @@ impl SweepSpec {
             }
         }
         Ok(())
+    }
+}
+
+impl SweepSpec {
+    /// The ASHA rungs (epochs) of the sweep, when it has `[asha]`: every trial must train
+    /// the same number of epochs and be evaluated at every rung, so that the trials
+    /// compared at a rung have measured the same thing.
+    pub fn asha_rungs(
+        &self,
+        sweep_file: &Path,
+        trials: &[Trial],
+    ) -> Result<Option<Vec<u32>>, SweepError> {
+        let Some(asha) = &self.asha else {
+            return Ok(None);
+        };
+        let invalid = |message: String| SweepError::Invalid {
+            path: sweep_file.to_path_buf(),
+            message,
+        };
+        let base = self.base_path(sweep_file);
+        let mut epochs = None;
+        let mut every = Vec::new();
+        for t in trials {
+            let mut sets = self.set.clone();
+            sets.extend(t.sets());
+            let cfg = config::load(&base, &sets).map_err(|source| SweepError::Trial {
+                path: sweep_file.to_path_buf(),
+                trial: t.index,
+                label: t.label(),
+                source: Box::new(source),
+            })?;
+            match epochs {
+                None => epochs = Some(cfg.train.epochs),
+                Some(e) if e != cfg.train.epochs => {
+                    return Err(invalid(format!(
+                        "[asha] compares trials at the same epochs, but trial {} trains {} epochs and trial 0 {e}; do not sweep train.epochs with [asha]",
+                        t.index, cfg.train.epochs
+                    )));
+                }
+                _ => {}
+            }
+            every.push((t.index, cfg.eval.every_epochs));
+        }
+        let epochs = epochs.unwrap_or(0);
+        asha.validate(epochs).map_err(invalid)?;
+        let rungs = asha.rungs(epochs);
+        for (trial, every) in every {
+            if let Some(r) = rungs.iter().find(|&&r| every == 0 || r % every != 0) {
+                return Err(invalid(format!(
+                    "[asha] judges trials by their test metric at epochs {rungs:?}, but trial {trial} has eval.every_epochs = {every}, which does not evaluate epoch {r}; set eval.every_epochs = 1 (in `set`)"
+                )));
+            }
+        }
+        Ok(Some(rungs))
     }
 }
 

@@ -649,6 +649,87 @@ fn a_sweep_runs_every_trial_records_a_failing_one_and_resumes() {
     assert!(!dir.join("none").exists());
 }
 
+/// Epochs each trial of a sweep trained: the rows of its `metrics.csv`.
+fn epochs_trained(sweep: &Path) -> Vec<usize> {
+    let mut trials: Vec<PathBuf> = std::fs::read_dir(sweep)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| {
+            p.file_name()
+                .unwrap()
+                .to_string_lossy()
+                .starts_with("trial-")
+        })
+        .collect();
+    trials.sort();
+    trials
+        .iter()
+        .map(|t| metrics(&run_dir_in(t)).len())
+        .collect()
+}
+
+/// The run dir inside a trial's folder.
+fn run_dir_in(trial: &Path) -> PathBuf {
+    std::fs::read_dir(trial)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.join("config.toml").is_file())
+        .unwrap()
+}
+
+#[test]
+fn an_asha_sweep_finds_the_grids_best_trial_training_fewer_epochs() {
+    let dir = tempdir("asha");
+    // One trial at a time, so the order in which trials reach a rung (and with it every
+    // decision) is the same on every run.
+    let common = format!(
+        "base = {DEBUG_TOML:?}\nmax_parallel = 1\nset = [\"train.epochs=9\", \"data.synthetic_train_size=512\"]\n"
+    );
+    let grid = "[grid]\n\"optim.lr\" = [0.0005, 0.002, 0.05, 0.001, 0.1]\n";
+    let asha = "[asha]\nmin_epochs = 1\nreduction = 3\n";
+    let mut best = Vec::new();
+    let mut epochs = Vec::new();
+    for (name, body) in [
+        ("grid", format!("{common}{grid}")),
+        ("asha", format!("{common}{asha}{grid}")),
+    ] {
+        let file = dir.join(format!("{name}.toml"));
+        std::fs::write(&file, body).unwrap();
+        let out = dir.join(name);
+        let o = Output::of(
+            kiln()
+                .args(["sweep", "--config"])
+                .arg(&file)
+                .arg("--output")
+                .arg(&out),
+        );
+        o.success();
+        let line = o
+            .stdout
+            .lines()
+            .find(|l| l.starts_with("best: trial"))
+            .unwrap();
+        best.push(line.split(',').next().unwrap().to_string());
+        let sweep = run_dir(&out);
+        epochs.push(epochs_trained(&sweep));
+        if name == "asha" {
+            o.stderr_has("ASHA judges trials at epochs [1, 3]")
+                .stderr_has("stopped by ASHA at epoch");
+            let csv = std::fs::read_to_string(sweep.join("results.csv")).unwrap();
+            assert!(csv.contains(",stopped by asha,"), "{csv}");
+            // Resumed, a stopped trial stays stopped.
+            Output::of(kiln().args(["sweep", "--resume"]).arg(&sweep))
+                .success()
+                .stderr_has("was stopped by ASHA earlier, skipped")
+                .stderr_lacks("on CPU 0:");
+        }
+    }
+    assert_eq!(best[0], best[1], "epochs per trial: {epochs:?}");
+    assert_eq!(epochs[0], vec![9; 5]);
+    let (grid_total, asha_total): (usize, usize) = (epochs[0].iter().sum(), epochs[1].iter().sum());
+    assert!(asha_total < grid_total, "epochs per trial: {epochs:?}");
+}
+
 /// A stand-in for Slurm's client in `dir/bin`: `sbatch` runs every element of the
 /// script's array at once, in order (as node `fake`, job 42) and records the array list;
 /// `squeue` prints `dir/bin/queue.txt`.
