@@ -10,6 +10,12 @@ use clap::{Parser, Subcommand, ValueEnum};
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
+    /// Only warnings and errors on the terminal (the run's train.log keeps every line).
+    #[arg(long, short, global = true, conflicts_with = "verbose")]
+    pub quiet: bool,
+    /// Also details: checkpoint and test-pass times, the gradient exchange's buckets.
+    #[arg(long, short, global = true)]
+    pub verbose: bool,
 }
 
 #[derive(Debug, Subcommand)]

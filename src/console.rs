@@ -2,11 +2,15 @@
 //! the process (the standard `eprintln!` panics on it): training goes on, and every
 //! line is also appended to the run's log file (`train.log`) once one is opened, so
 //! nothing printed is lost with the terminal.
+//!
+//! How much reaches the terminal is the user's choice (`--quiet`, `--verbose`); the log
+//! file gets every line whatever it is.
 
 use std::fs::File;
 use std::io::Write;
 use std::path::Path;
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicU8, Ordering};
 
 /// The log file once opened; before that, the lines printed so far (a bounded number:
 /// commands that never open a log keep no more).
@@ -56,9 +60,61 @@ pub fn log(line: &str) {
     }
 }
 
-/// A line on stderr (and in the log); errors writing it are ignored.
+/// How much of what kiln says reaches the terminal.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Verbosity {
+    /// Warnings and errors only (and the command's output on stdout).
+    Quiet = 0,
+    Normal = 1,
+    /// Also the details ([`detail`]): checkpoint and test-pass times, the exchange's
+    /// buckets.
+    Verbose = 2,
+}
+
+static VERBOSITY: AtomicU8 = AtomicU8::new(Verbosity::Normal as u8);
+
+/// The processes kiln starts (a supervised trainer, launched ranks, sweep trials)
+/// inherit the choice through this variable.
+pub const VERBOSITY_VAR: &str = "KILN_VERBOSITY";
+
+/// Sets the verbosity: `flag` when given, else what the parent process passed down.
+pub fn set_verbosity(flag: Option<Verbosity>) {
+    let v = flag.unwrap_or_else(|| match std::env::var(VERBOSITY_VAR).as_deref() {
+        Ok("quiet") => Verbosity::Quiet,
+        Ok("verbose") => Verbosity::Verbose,
+        _ => Verbosity::Normal,
+    });
+    VERBOSITY.store(v as u8, Ordering::Relaxed);
+}
+
+pub fn verbosity() -> Verbosity {
+    match VERBOSITY.load(Ordering::Relaxed) {
+        0 => Verbosity::Quiet,
+        2 => Verbosity::Verbose,
+        _ => Verbosity::Normal,
+    }
+}
+
+/// Whether a line is a warning or an error, which `--quiet` still shows: kiln words
+/// them `...: warning: ...` and `...: error: ...`.
+fn is_alert(text: &str) -> bool {
+    text.contains("warning: ") || text.contains("error: ")
+}
+
+/// A line on stderr (and in the log); errors writing it are ignored. Under `--quiet`
+/// only warnings and errors reach the terminal.
 pub fn line(text: &str) {
-    let _ = writeln!(std::io::stderr().lock(), "{text}");
+    if verbosity() > Verbosity::Quiet || is_alert(text) {
+        let _ = writeln!(std::io::stderr().lock(), "{text}");
+    }
+    log(text);
+}
+
+/// A detail: in the log always, on the terminal under `--verbose`.
+pub fn detail(text: &str) {
+    if verbosity() == Verbosity::Verbose {
+        let _ = writeln!(std::io::stderr().lock(), "{text}");
+    }
     log(text);
 }
 
@@ -73,6 +129,14 @@ pub fn out(text: &str) {
 macro_rules! say {
     ($($arg:tt)*) => {
         $crate::console::line(&format!($($arg)*))
+    };
+}
+
+/// A [`detail`] line, formatted.
+#[macro_export]
+macro_rules! detail {
+    ($($arg:tt)*) => {
+        $crate::console::detail(&format!($($arg)*))
     };
 }
 

@@ -32,7 +32,10 @@ impl Progress {
             epochs,
             last_read: Cell::new(Instant::now()),
         }
-        .terminal(std::io::stderr().is_terminal())
+        .terminal(
+            std::io::stderr().is_terminal()
+                && crate::console::verbosity() > crate::console::Verbosity::Quiet,
+        )
     }
 
     fn terminal(mut self, yes: bool) -> Self {

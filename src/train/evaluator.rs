@@ -44,11 +44,17 @@ impl Evaluator {
         if !self.is_due(epoch, last) {
             return Ok((f64::NAN, f64::NAN));
         }
+        let t = std::time::Instant::now();
         learner.sync_buffers(step)?;
         let totals =
             evaluate_totals::<B::InnerBackend>(&learner.model().valid(), &self.test, device)?;
         let during = format!("epoch {epoch}'s test pass");
         let totals = learner.strategy().sum_over_processes(totals, &during)?;
+        crate::detail!(
+            "kiln: test pass of epoch {epoch}: {} images in {:.2} s",
+            totals.2,
+            t.elapsed().as_secs_f64()
+        );
         Ok(means_or_nan(totals))
     }
 }

@@ -253,6 +253,53 @@ fn training_writes_a_complete_run_dir_and_the_loss_falls() {
 }
 
 #[test]
+fn quiet_shows_only_problems_and_verbose_shows_details_the_log_keeps_all() {
+    let out = tempdir("verbosity");
+    let o = Output::of(
+        kiln()
+            .args(["--quiet", "train", "--config", DEBUG_TOML, "--output"])
+            .arg(out.join("quiet")),
+    );
+    o.success();
+    assert_eq!(o.stderr.trim(), "", "{}", o.stderr);
+    let log = std::fs::read_to_string(run_dir(&out.join("quiet")).join("train.log")).unwrap();
+    assert!(
+        log.contains("finished 3 epochs") && log.contains("test pass of epoch 1"),
+        "{log}"
+    );
+    // A problem still shows.
+    Output::of(
+        kiln()
+            .args([
+                "train",
+                "-q",
+                "--config",
+                DEBUG_TOML,
+                "--set",
+                "optim.lr=-1",
+            ])
+            .arg("--output")
+            .arg(out.join("bad")),
+    )
+    .code(2)
+    .stderr_has("optim.lr = -1");
+    Output::of(
+        kiln()
+            .args(["train", "--verbose", "--config", DEBUG_TOML, "--output"])
+            .arg(out.join("verbose")),
+    )
+    .success()
+    .stderr_has("finished 3 epochs")
+    .stderr_has("test pass of epoch 1")
+    .stderr_has("checkpoint at step");
+    // Without either, details stay in the log.
+    train(&out.join("normal"), &[])
+        .success()
+        .stderr_has("finished 3 epochs")
+        .stderr_lacks("test pass of epoch");
+}
+
+#[test]
 fn a_run_stopped_mid_epoch_resumes_where_it_stopped() {
     // Steps per epoch: 256 / 32 = 8. Stop mid-epoch 2 (step 11), resume to the end.
     // (That the result is bitwise the uninterrupted run is tested in train::trainer.)

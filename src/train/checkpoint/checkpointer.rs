@@ -159,6 +159,11 @@ impl Checkpointer {
         // Counted from the next checkpoint on: this one is already taken.
         state.checkpoint_s += t.elapsed().as_secs_f64();
         state.checkpoints_written += 1;
+        crate::detail!(
+            "kiln: checkpoint at step {} copied to host memory in {:.2} s; written beside training",
+            state.step,
+            t.elapsed().as_secs_f64()
+        );
         Ok(())
     }
 

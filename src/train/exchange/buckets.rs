@@ -92,8 +92,17 @@ impl BucketPlan {
         let mut params = ids.0;
         params.reverse();
         let sizes: Vec<usize> = params.iter().map(|(_, d)| numel(d)).collect();
+        let buckets = assign(&sizes, bucket_bytes);
+        crate::detail!(
+            "kiln: gradient exchange: {} tensors ({:.1} MiB in fp32) in {} bucket(s) of up to {} MiB{}",
+            sizes.len(),
+            sizes.iter().sum::<usize>() as f64 * 4.0 / (1 << 20) as f64,
+            buckets.len(),
+            bucket_bytes >> 20,
+            if wire.is_some() { ", sent as bf16" } else { "" }
+        );
         BucketPlan {
-            buckets: assign(&sizes, bucket_bytes),
+            buckets,
             params,
             wire,
         }
