@@ -8,10 +8,10 @@ base=$(pwd)/configs/resnet.toml
 common="base = \"$base\"
 set = [\"train.epochs=6\"]"
 grid='[grid]
-"optim.lr" = [0.4, 0.01, 0.1, 0.02, 0.2, 0.05]'
+"optim.lr" = [0.01, 0.02, 0.05, 0.1, 0.2, 0.4]'
 printf '%s\n%s\n' "$common" "$grid" > /tmp/grid.toml
 printf '%s\n[asha]\nmin_epochs = 1\nreduction = 3\n%s\n' "$common" "$grid" > /tmp/asha.toml
-for s in grid asha; do
+for s in asha grid; do
   [ "$(left)" -gt 120 ] || { log "sweep $s skipped"; continue; }
   t0=$(date +%s)
   timeout "$(limit)" "$K" sweep --config /tmp/$s.toml --output /tmp/sweeps-$s > "$RES/sweep-$s.txt" 2> "$RES/sweep-$s.log"
