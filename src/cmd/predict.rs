@@ -104,20 +104,21 @@ fn image_files(args: &[PathBuf]) -> anyhow::Result<Vec<PathBuf>> {
 
 fn walk(dir: &Path, files: &mut Vec<PathBuf>) -> anyhow::Result<()> {
     let read = |e: std::io::Error| UsageError(format!("{}: cannot list it: {e}", dir.display()));
-    let mut entries: Vec<PathBuf> = std::fs::read_dir(dir)
+    // Linked folders are not followed: a link to a parent would never end.
+    let mut entries: Vec<(PathBuf, bool)> = std::fs::read_dir(dir)
         .map_err(read)?
-        .map(|e| e.map(|e| e.path()))
+        .map(|e| e.and_then(|e| Ok((e.path(), e.file_type()?.is_dir()))))
         .collect::<Result<_, _>>()
         .map_err(read)?;
     entries.sort();
-    for p in entries {
+    for (p, is_dir) in entries {
         let hidden = p
             .file_name()
             .is_some_and(|n| n.to_string_lossy().starts_with('.'));
         if hidden {
             continue;
         }
-        if p.is_dir() {
+        if is_dir {
             walk(&p, files)?;
         } else if crate::data::is_image_file(&p) {
             files.push(p);

@@ -45,16 +45,6 @@ pub fn run(args: SweepArgs) -> anyhow::Result<ExitCode> {
         None if on_slurm => Launcher::Slurm,
         None => Launcher::Local,
     };
-    if launcher == Launcher::Slurm
-        && let Some(file) = &args.config
-        && SweepSpec::load(file).is_ok_and(|s| s.asha.is_some())
-    {
-        return Err(UsageError(format!(
-            "{}: [asha] stops trials as their epochs end, which only the local launcher does; remove [asha] to sweep through Slurm",
-            file.display()
-        ))
-        .into());
-    }
     if launcher == Launcher::Local
         && let Some((_, flag)) = slurm_flags.iter().find(|(given, _)| *given)
     {
@@ -68,6 +58,7 @@ pub fn run(args: SweepArgs) -> anyhow::Result<ExitCode> {
                 .map_err(|e| UsageError(e.to_string()))?;
             spec.asha_rungs(file, &trials)
                 .map_err(|e| UsageError(e.to_string()))?;
+            refuse_asha_on_slurm(&spec, launcher, file)?;
             // Kept with an absolute base, so --resume works from anywhere.
             spec.base = std::path::absolute(spec.base_path(file))
                 .with_context(|| format!("resolving {}", spec.base.display()))?;
@@ -103,6 +94,7 @@ pub fn run(args: SweepArgs) -> anyhow::Result<ExitCode> {
     if let Some(index) = args.trial {
         return run_element(&spec, &sweep_dir, index);
     }
+    refuse_asha_on_slurm(&spec, launcher, &sweep_dir)?;
     // One sweep process per sweep folder (its trials run under it).
     let (_lock, note) = crate::run::run_dir::lock(&sweep_dir)?;
     if let Some(n) = note {
@@ -169,6 +161,18 @@ pub fn run(args: SweepArgs) -> anyhow::Result<ExitCode> {
             ExitCode::from(1)
         },
     )
+}
+
+/// `[asha]` needs the local launcher, which watches the trials' epochs as they end.
+fn refuse_asha_on_slurm(spec: &SweepSpec, launcher: Launcher, source: &Path) -> anyhow::Result<()> {
+    if launcher == Launcher::Slurm && spec.asha.is_some() {
+        return Err(UsageError(format!(
+            "{}: [asha] stops trials as their epochs end, which only the local launcher does; remove [asha] to sweep through Slurm",
+            source.display()
+        ))
+        .into());
+    }
+    Ok(())
 }
 
 /// The trials on this machine's GPU (or CPU) slots.

@@ -109,7 +109,7 @@ fn torchvision_name(path: &str, depths: &[usize]) -> Option<String> {
 mod tests {
     use super::*;
     use crate::config::{Arch, Stem};
-    use crate::test_util::{TestBackend, device};
+    use crate::test_util::{TestBackend, device, rng_lock};
 
     fn tensor<'a>(dict: &'a [StateTensor], name: &str) -> &'a StateTensor {
         dict.iter()
@@ -126,6 +126,8 @@ mod tests {
 
     #[test]
     fn resnet18_has_exactly_torchvisions_keys_and_shapes() {
+        // Initialising draws from the shared generator that seeded tests replay.
+        let _rng = rng_lock();
         let spec = ModelSpec::new(Arch::Resnet18, Stem::Imagenet, 3, 10, 224);
         let model = spec.init::<TestBackend>(&device());
         let dict = state_dict(&model, &spec, 7).unwrap();
@@ -174,6 +176,8 @@ mod tests {
 
     #[test]
     fn fc_is_out_by_in_and_batchnorm_keeps_its_values() {
+        // Initialising draws from the shared generator that seeded tests replay.
+        let _rng = rng_lock();
         let spec = ModelSpec::new(Arch::Resnet18, Stem::Small, 1, 10, 28);
         let model = spec.init::<TestBackend>(&device());
         let dict = state_dict(&model, &spec, 0).unwrap();
@@ -208,6 +212,8 @@ mod tests {
 
     #[test]
     fn resnet50_blocks_map_to_stages_by_their_depths() {
+        // Initialising draws from the shared generator that seeded tests replay.
+        let _rng = rng_lock();
         let spec = ModelSpec::new(Arch::Resnet50, Stem::Imagenet, 3, 1000, 224);
         let model = spec.init::<TestBackend>(&device());
         let dict = state_dict(&model, &spec, 0).unwrap();

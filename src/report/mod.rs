@@ -22,7 +22,9 @@ use std::path::Path;
 /// Replaces `path` with `bytes` atomically (write a sibling, then rename), so a crash
 /// never leaves a half-written report.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let tmp = path.with_extension("tmp");
+    // A hidden sibling of kiln's own naming, so no file of the user's is touched.
+    let name = path.file_name().unwrap_or_default().to_string_lossy();
+    let tmp = path.with_file_name(format!(".{name}.kiln-tmp"));
     let written = std::fs::write(&tmp, bytes).and_then(|()| std::fs::rename(&tmp, path));
     if written.is_err() {
         // A full disk must not leave a half-written sibling behind.

@@ -6,7 +6,8 @@
 //! masked CRC-32C of those 8 bytes, the data, a masked CRC-32C of the data. Each
 //! record's data is an `Event` protocol buffer; the first says the file's version, the
 //! others carry a `Summary` of tagged float values. A resumed run opens a new file
-//! beside the old ones; TensorBoard reads them all, in name order.
+//! beside the old ones, starting with a restart record at its step; TensorBoard reads
+//! the files in name order and drops the older files' points from that step on.
 
 use std::fs::File;
 use std::io::{self, Write};
@@ -23,7 +24,7 @@ struct Event {
     wall_time: f64,
     #[prost(int64, tag = "2")]
     step: i64,
-    #[prost(oneof = "What", tags = "3, 5")]
+    #[prost(oneof = "What", tags = "3, 5, 7")]
     what: Option<What>,
 }
 
@@ -33,6 +34,17 @@ enum What {
     FileVersion(String),
     #[prost(message, tag = "5")]
     Summary(Summary),
+    #[prost(message, tag = "7")]
+    SessionLog(SessionLog),
+}
+
+/// A restart: TensorBoard drops what earlier files hold from its step on, so a run
+/// resumed from a checkpoint does not plot the steps it trains again twice.
+#[derive(Clone, PartialEq, Message)]
+struct SessionLog {
+    /// 1: START.
+    #[prost(int32, tag = "1")]
+    status: i32,
 }
 
 #[derive(Clone, PartialEq, Message)]
@@ -82,8 +94,9 @@ pub struct EventWriter {
 }
 
 impl EventWriter {
-    /// A new event file in `dir`, its version record written.
-    pub fn create(dir: &Path) -> io::Result<Self> {
+    /// A new event file in `dir`, its version record written; `resumed_at`: the first
+    /// step a resumed run trains.
+    pub fn create(dir: &Path, resumed_at: Option<u64>) -> io::Result<Self> {
         let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
             .map(|h| h.trim().to_string())
             .unwrap_or_else(|_| "localhost".into());
@@ -99,6 +112,13 @@ impl EventWriter {
             step: 0,
             what: Some(What::FileVersion("brain.Event:2".into())),
         })?;
+        if let Some(step) = resumed_at {
+            w.write(Event {
+                wall_time: now(),
+                step: step as i64,
+                what: Some(What::SessionLog(SessionLog { status: 1 })),
+            })?;
+        }
         Ok(w)
     }
 
@@ -139,6 +159,7 @@ pub struct Board {
     dir: Option<PathBuf>,
     /// Made with the first scalars, so a run that ends before training has none.
     writer: Option<EventWriter>,
+    resumed_at: Option<u64>,
 }
 
 /// One device's usage over an epoch: its name, peak memory in GiB, mean utilisation.
@@ -150,10 +171,12 @@ pub struct DeviceUsage {
 
 impl Board {
     /// A board writing into `run_dir`; `None` writes nothing (ranks other than 0).
-    pub fn open(run_dir: Option<&Path>) -> Self {
+    /// `resumed_at`: the first step a resumed run trains.
+    pub fn open(run_dir: Option<&Path>, resumed_at: Option<u64>) -> Self {
         Board {
             dir: run_dir.map(Path::to_path_buf),
             writer: None,
+            resumed_at,
         }
     }
 
@@ -161,7 +184,7 @@ impl Board {
     fn put(&mut self, step: u64, values: &[(String, f64)], warn: &dyn Fn(String)) {
         let Some(dir) = &self.dir else { return };
         if self.writer.is_none() {
-            match EventWriter::create(dir) {
+            match EventWriter::create(dir, self.resumed_at) {
                 Ok(w) => self.writer = Some(w),
                 Err(e) => {
                     warn(format!(
@@ -280,7 +303,7 @@ mod tests {
     #[test]
     fn a_file_holds_its_version_then_one_record_per_call_with_exact_bytes() {
         let dir = crate::test_util::tempdir();
-        let mut w = EventWriter::create(dir.path()).unwrap();
+        let mut w = EventWriter::create(dir.path(), None).unwrap();
         w.scalars(
             7,
             &[
@@ -327,21 +350,37 @@ mod tests {
     #[test]
     fn a_board_makes_its_file_with_the_first_scalars_and_a_failure_warns_once() {
         let dir = crate::test_util::tempdir();
-        let mut board = Board::open(Some(dir.path()));
+        let mut board = Board::open(Some(dir.path()), None);
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
         let warnings = std::cell::RefCell::new(Vec::new());
         let warn = |w: String| warnings.borrow_mut().push(w);
         board.progress(4, 1.0, 0.5, 100.0, 0.1, Some(1024.0), &warn);
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
         assert!(warnings.borrow().is_empty());
-        let mut lost = Board::open(Some(&dir.path().join("gone")));
+        let mut lost = Board::open(Some(&dir.path().join("gone")), None);
         lost.progress(1, 1.0, 0.5, 100.0, 0.1, None, &warn);
         lost.progress(2, 1.0, 0.5, 100.0, 0.1, None, &warn);
         assert_eq!(warnings.borrow().len(), 1, "{:?}", warnings.borrow());
         assert!(warnings.borrow()[0].contains("gone"));
         // Other ranks write nothing.
-        Board::open(None).progress(1, 1.0, 0.5, 100.0, 0.1, None, &warn);
+        Board::open(None, None).progress(1, 1.0, 0.5, 100.0, 0.1, None, &warn);
         assert_eq!(warnings.borrow().len(), 1);
+    }
+
+    #[test]
+    fn a_resumed_run_starts_its_file_with_a_restart_at_its_step() {
+        let dir = crate::test_util::tempdir();
+        let w = EventWriter::create(dir.path(), Some(300)).unwrap();
+        let events = read_records(&std::fs::read(w.path()).unwrap());
+        assert_eq!(events.len(), 2);
+        assert_eq!(events[1].step, 300);
+        assert_eq!(
+            events[1].what,
+            Some(What::SessionLog(SessionLog { status: 1 }))
+        );
+        // Field 7 (`session_log`), length-delimited, holding field 1 (`status`) = 1.
+        let bytes = events[1].encode_to_vec();
+        assert_eq!(bytes[bytes.len() - 4..], [0x3a, 2, 0x08, 1]);
     }
 
     #[test]

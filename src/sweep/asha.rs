@@ -124,6 +124,17 @@ impl Rungs {
         decide(records, epoch, metric, goal, reduction)
     }
 
+    /// Records what `trial` had at rung `epoch` without deciding anything: a resumed
+    /// sweep's rungs rebuilt from its trials' files (a trial keeps its first record).
+    pub fn record(&mut self, trial: usize, epoch: u32, metric: f64) {
+        if let Some((_, records)) = self.rungs.iter_mut().find(|(e, _)| *e == epoch)
+            && metric.is_finite()
+            && !records.iter().any(|(t, _)| *t == trial)
+        {
+            records.push((trial, metric));
+        }
+    }
+
     /// How many trials have been recorded at each rung: `(rung epoch, count)`.
     pub fn counts(&self) -> Vec<(u32, usize)> {
         self.rungs.iter().map(|(e, r)| (*e, r.len())).collect()

@@ -161,7 +161,12 @@ fn epoch_metrics(run_dir: &Path, column: &str) -> Vec<(u32, f64)> {
     lines
         .filter_map(|l| {
             let f: Vec<&str> = l.split(',').collect();
-            Some((f.get(e)?.parse().ok()?, f.get(c)?.parse().ok()?))
+            // An empty cell is a metric that was not finite (or not measured).
+            let value = match *f.get(c)? {
+                "" => f64::NAN,
+                v => v.parse().ok()?,
+            };
+            Some((f.get(e)?.parse().ok()?, value))
         })
         .collect()
 }
@@ -187,6 +192,16 @@ impl Asha {
                 Metric::FinalTestLoss => "test_loss",
             },
         })
+    }
+
+    /// Records every epoch of `run_dir` for `trial` without deciding; the last epoch.
+    fn record(&mut self, trial: usize, run_dir: &Path) -> u32 {
+        let mut last = 0;
+        for (epoch, value) in epoch_metrics(run_dir, self.column) {
+            self.rungs.record(trial, epoch, value);
+            last = last.max(epoch);
+        }
+        last
     }
 
     /// Reports the epochs of `run_dir` after `after` for `trial`; the last epoch
@@ -224,10 +239,11 @@ pub fn finished_earlier(sweep_dir: &Path, trial: &Trial, metric: &str) -> Option
     let dir = trial_dir(sweep_dir, trial.index);
     let run = run_dir(&dir)?;
     let (status, value) = summary(&run, metric)?;
-    let status = if dir.join(ASHA_STOP).is_file() {
-        STOPPED_BY_ASHA
-    } else if status == "finished" {
+    // A trial that finished as it was being stopped counts as finished.
+    let status = if status == "finished" {
         "finished"
+    } else if dir.join(ASHA_STOP).is_file() {
+        STOPPED_BY_ASHA
     } else {
         return None;
     };
@@ -319,12 +335,13 @@ pub struct Plan<'a> {
 pub fn run(plan: &Plan, trials: &[Trial]) -> std::io::Result<Vec<Outcome>> {
     let metric = plan.spec.metric.key();
     let mut asha = plan.asha_rungs.and_then(|r| Asha::new(plan.spec, r));
-    // A resumed sweep's rungs hold what its trials reached before.
+    // A resumed sweep's rungs hold what its trials reached before; a trial is judged
+    // only at the rungs it reaches from now on.
     let mut reported = vec![0u32; trials.len()];
     if let Some(a) = &mut asha {
         for t in trials {
             if let Some(run) = run_dir(&trial_dir(plan.sweep_dir, t.index)) {
-                reported[t.index] = a.report(t.index, &run, 0).0;
+                reported[t.index] = a.record(t.index, &run);
             }
         }
     }
@@ -386,7 +403,12 @@ pub fn run(plan: &Plan, trials: &[Trial]) -> std::io::Result<Vec<Outcome>> {
             break;
         }
         std::thread::sleep(Duration::from_millis(200));
-        if let Some(a) = &mut asha {
+        // Once the user has interrupted the sweep, its trials are checkpointing: a
+        // second signal would end them before their checkpoint.
+        if let Some(a) = asha
+            .as_mut()
+            .filter(|_| !plan.signals.interrupted().load(Ordering::SeqCst))
+        {
             for r in running.iter_mut().filter(|r| !r.stopped) {
                 let dir = trial_dir(plan.sweep_dir, r.trial.index);
                 let Some(run) = run_dir(&dir) else { continue };
@@ -399,6 +421,8 @@ pub fn run(plan: &Plan, trials: &[Trial]) -> std::io::Result<Vec<Outcome>> {
                     // The trial's supervisor passes it on; the trial checkpoints and ends.
                     // SAFETY: kill(2) on the pid of a child not yet waited for.
                     unsafe { libc::kill(r.child.id() as i32, libc::SIGTERM) };
+                    // Nor does a later interrupt reach it twice while it checkpoints.
+                    plan.signals.forget(r.child.id());
                     r.stopped = true;
                 }
             }
@@ -421,9 +445,14 @@ pub fn run(plan: &Plan, trials: &[Trial]) -> std::io::Result<Vec<Outcome>> {
                 plan.slots[r.slot].label.clone(),
                 r.started.elapsed().as_secs_f64(),
             );
-            if r.stopped && outcome.status != "finished" {
-                outcome.status = STOPPED_BY_ASHA.into();
-                outcome.log_tail.clear();
+            if r.stopped {
+                let dir = trial_dir(plan.sweep_dir, r.trial.index);
+                if outcome.status == "finished" {
+                    // It finished before the signal came: nothing to keep stopped.
+                    let _ = std::fs::remove_file(dir.join(ASHA_STOP));
+                } else if outcome.status == "interrupted" {
+                    outcome.status = STOPPED_BY_ASHA.into();
+                }
             }
             say(ended_line(&outcome, metric, &format!(" [{ended}/{total}]")));
             outcomes[r.trial.index] = Some(outcome);

@@ -334,6 +334,13 @@ impl SweepSpec {
             path: sweep_file.to_path_buf(),
             message,
         };
+        // ASHA keeps what the goal calls better: a loss kept at its highest would stop
+        // the best trials.
+        if self.metric == Metric::FinalTestLoss && self.goal == Goal::Max {
+            return Err(invalid(
+                "metric = \"final_test_loss\" with goal = \"max\": [asha] would keep the trials with the highest loss; set goal = \"min\"".into(),
+            ));
+        }
         let base = self.base_path(sweep_file);
         let mut epochs = None;
         let mut every = Vec::new();

@@ -134,13 +134,18 @@ pub fn fit<B: TrainBackend>(
     };
     let progress = Progress::new(log_every, cfg.train.epochs);
     let warn = |w: String| progress.println(&format!("kiln: warning: {w}"));
-    let mut board = Board::open(lead.then_some(run_dir.as_path()));
+
     let (mut model, mut optim) = (built.model, built.optim);
     if resume {
         (state, model, optim) =
             checkpointer.restore(state, model, optim, &device, &mut |n| progress.println(&n))?;
     }
     state.input = Some(dataset.input());
+    let mut board = Board::open(
+        lead.then_some(run_dir.as_path()),
+        // Points after the checkpoint's step are trained again; its own is kept.
+        resume.then_some(state.step + 1),
+    );
     // fp16 needs a loss scale: a resumed run keeps its own, a new run (or one resumed
     // from fp32 or bf16) starts one; other precisions drop it.
     state.loss_scale = LossScale::for_precision(cfg.train.precision)
