@@ -6,7 +6,6 @@ accuracy beside the one kiln recorded for the checkpoint.
     python3 bench/torchvision_check.py MODEL.safetensors datasets/fashion-mnist
 """
 import argparse
-import gzip
 import json
 import os
 
@@ -16,14 +15,7 @@ import safetensors.torch
 import torch
 import torchvision
 
-
-def idx(path):
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rb") as f:
-        data = f.read()
-    dims = data[3]
-    shape = [int.from_bytes(data[4 + 4 * i:8 + 4 * i], "big") for i in range(dims)]
-    return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * dims).reshape(shape)
+from pytorch_fashion import idx  # the IDX reader beside this script
 
 
 def find(root, stem):

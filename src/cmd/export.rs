@@ -29,11 +29,7 @@ pub fn run(args: ExportArgs) -> anyhow::Result<ExitCode> {
         .into());
     }
     let (checkpoint, state) = pick_checkpoint(&args.run, args.checkpoint == Which::Best)?;
-    // Runs recorded before the input was kept with the checkpoint: ask the dataset.
-    let input = match state.input.clone() {
-        Some(i) => i,
-        None => crate::data::open(&config.data, config.train.seed)?.input(),
-    };
+    let input = super::setup::network_input(&state.input, &config)?;
     let model = read_model_on_cpu(&checkpoint, &state)?;
     let dict = state_dict(&model, &state.spec, state.step).map_err(anyhow::Error::msg)?;
     let views = dict

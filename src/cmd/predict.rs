@@ -19,10 +19,7 @@ pub fn run(args: PredictArgs) -> anyhow::Result<ExitCode> {
     }
     let files = image_files(&args.images)?;
     let (checkpoint, state) = pick_checkpoint(&args.run, args.checkpoint == Which::Best)?;
-    let input = match state.input.clone() {
-        Some(i) => i,
-        None => crate::data::open(&config.data, config.train.seed)?.input(),
-    };
+    let input = super::setup::network_input(&state.input, &config)?;
     let classes = state.classes.clone();
     let plan = super::setup::plan_devices(&config.devices)?;
     let kernels = super::setup::kernel_settings(&config, &plan)?;

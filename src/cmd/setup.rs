@@ -45,6 +45,18 @@ pub fn run_config(
     Ok(crate::config::load(&config_path, sets)?)
 }
 
+/// What a run's network takes, as its checkpoint recorded it; for runs from before it
+/// was recorded, from the dataset its config names.
+pub fn network_input(
+    recorded: &Option<crate::data::InputSpec>,
+    config: &crate::config::Config,
+) -> anyhow::Result<crate::data::InputSpec> {
+    Ok(match recorded {
+        Some(i) => i.clone(),
+        None => crate::data::open(&config.data, config.train.seed)?.input(),
+    })
+}
+
 /// Where kernels are cached, how they are tuned, what cuDNN runs (convolutions,
 /// BatchNorm) and how batches are uploaded, from the config and the plan (cuDNN is
 /// looked for on the first GPU).

@@ -50,13 +50,12 @@ pub fn run(args: SweepArgs) -> anyhow::Result<ExitCode> {
     {
         return Err(UsageError(format!("{flag} is a Slurm option: add --launcher slurm")).into());
     }
-    let (spec, sweep_dir) = match (&args.config, &args.resume) {
+    let (spec, sweep_dir, rungs) = match (&args.config, &args.resume) {
         (Some(file), None) => {
             let mut spec = SweepSpec::load(file).map_err(|e| UsageError(e.to_string()))?;
             let trials = spec.trials();
-            spec.check(file, &trials)
-                .map_err(|e| UsageError(e.to_string()))?;
-            spec.asha_rungs(file, &trials)
+            let rungs = spec
+                .check(file, &trials)
                 .map_err(|e| UsageError(e.to_string()))?;
             refuse_asha_on_slurm(&spec, launcher, file)?;
             // Kept with an absolute base, so --resume works from anywhere.
@@ -69,7 +68,7 @@ pub fn run(args: SweepArgs) -> anyhow::Result<ExitCode> {
             let dir = crate::run::run_dir::create(&args.output, &name)?;
             std::fs::write(dir.join(SPEC), serde_json::to_string_pretty(&spec)?)
                 .with_context(|| format!("writing {}", dir.join(SPEC).display()))?;
-            (spec, dir)
+            (spec, dir, rungs)
         }
         (None, Some(dir)) => {
             let path = dir.join(SPEC);
@@ -82,7 +81,10 @@ pub fn run(args: SweepArgs) -> anyhow::Result<ExitCode> {
             })?;
             let spec: SweepSpec = serde_json::from_str(&text)
                 .map_err(|e| UsageError(format!("{}: {e}", path.display())))?;
-            (spec, dir.clone())
+            let rungs = spec
+                .asha_rungs(&path, &spec.trials())
+                .map_err(|e| UsageError(e.to_string()))?;
+            (spec, dir.clone(), rungs)
         }
         _ => {
             return Err(UsageError(
@@ -108,7 +110,7 @@ pub fn run(args: SweepArgs) -> anyhow::Result<ExitCode> {
     let trials = spec.trials();
     let started = std::time::Instant::now();
     let outcomes = match launcher {
-        Launcher::Local => run_local(&spec, &sweep_dir, &exe, &trials, &signals)?,
+        Launcher::Local => run_local(&spec, &sweep_dir, &exe, &trials, rungs.as_deref(), &signals)?,
         Launcher::Slurm => {
             let options = SlurmSpec {
                 partition: args.partition.clone().or(spec.slurm.partition.clone()),
@@ -181,6 +183,7 @@ fn run_local(
     sweep_dir: &Path,
     exe: &Path,
     trials: &[Trial],
+    rungs: Option<&[u32]>,
     signals: &Signals,
 ) -> anyhow::Result<Vec<Outcome>> {
     let slots = runner::slots(
@@ -201,10 +204,7 @@ fn run_local(
             .collect::<Vec<_>>()
             .join(", ")
     );
-    let rungs = spec
-        .asha_rungs(&sweep_dir.join(SPEC), trials)
-        .map_err(|e| UsageError(e.to_string()))?;
-    if let Some(r) = &rungs {
+    if let Some(r) = rungs {
         crate::say!(
             "kiln sweep: ASHA judges trials at epochs {r:?}, keeping the best 1/{} at each",
             spec.asha.as_ref().map_or(0, |a| a.reduction)
@@ -217,7 +217,7 @@ fn run_local(
         exe,
         slots: &slots,
         signals,
-        asha_rungs: rungs.as_deref(),
+        asha_rungs: rungs,
     };
     runner::run(&plan, trials).with_context(|| format!("running trials in {}", sweep_dir.display()))
 }

@@ -122,20 +122,30 @@ fn log_tail(path: &Path, lines: usize) -> String {
     all[all.len().saturating_sub(lines)..].join("\n")
 }
 
-/// Last finished epoch and its test accuracy, from a running trial's `metrics.csv`.
-fn progress(run_dir: &Path) -> Option<(usize, String)> {
+/// Each row of a run's `metrics.csv`: its `epoch` cell and its `column` cell (`None`
+/// where the file has no such column); `None` without a readable file.
+fn metrics_cells(run_dir: &Path, column: &str) -> Option<Vec<(String, Option<String>)>> {
     let text = std::fs::read_to_string(run_dir.join("metrics.csv")).ok()?;
     let mut lines = text.lines();
     let header: Vec<&str> = lines.next()?.split(',').collect();
-    let rows: Vec<&str> = lines.collect();
-    let last: Vec<&str> = rows.last()?.split(',').collect();
-    let acc = header
-        .iter()
-        .position(|h| *h == "test_acc")
-        .and_then(|i| last.get(i))
-        .map(|v| v.to_string())
-        .unwrap_or_default();
-    Some((rows.len(), acc))
+    let find = |name: &str| header.iter().position(|h| *h == name);
+    let (e, c) = (find("epoch"), find(column));
+    Some(
+        lines
+            .map(|l| {
+                let f: Vec<&str> = l.split(',').collect();
+                let cell = |i: Option<usize>| i.and_then(|i| f.get(i)).map(|v| v.to_string());
+                (cell(e).unwrap_or_default(), cell(c))
+            })
+            .collect(),
+    )
+}
+
+/// Last finished epoch and its test accuracy, from a running trial's `metrics.csv`.
+fn progress(run_dir: &Path) -> Option<(usize, String)> {
+    let rows = metrics_cells(run_dir, "test_acc")?;
+    let (_, acc) = rows.last()?;
+    Some((rows.len(), acc.clone().unwrap_or_default()))
 }
 
 /// How a trial stopped by ASHA is named in outcomes and `results.csv`.
@@ -147,26 +157,16 @@ const ASHA_STOP: &str = "asha-stopped.json";
 
 /// Each finished epoch's test metric (`column` of `metrics.csv`), in epoch order.
 fn epoch_metrics(run_dir: &Path, column: &str) -> Vec<(u32, f64)> {
-    let Ok(text) = std::fs::read_to_string(run_dir.join("metrics.csv")) else {
-        return Vec::new();
-    };
-    let mut lines = text.lines();
-    let header: Vec<&str> = lines.next().unwrap_or("").split(',').collect();
-    let (Some(e), Some(c)) = (
-        header.iter().position(|h| *h == "epoch"),
-        header.iter().position(|h| *h == column),
-    ) else {
-        return Vec::new();
-    };
-    lines
-        .filter_map(|l| {
-            let f: Vec<&str> = l.split(',').collect();
+    metrics_cells(run_dir, column)
+        .unwrap_or_default()
+        .into_iter()
+        .filter_map(|(epoch, value)| {
             // An empty cell is a metric that was not finite (or not measured).
-            let value = match *f.get(c)? {
+            let value = match value?.as_str() {
                 "" => f64::NAN,
                 v => v.parse().ok()?,
             };
-            Some((f.get(e)?.parse().ok()?, value))
+            Some((epoch.parse().ok()?, value))
         })
         .collect()
 }

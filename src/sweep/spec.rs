@@ -291,18 +291,16 @@ impl SweepSpec {
     }
 
     /// Resolves every trial's config, so a bad key or value stops the sweep before
-    /// anything runs.
-    pub fn check(&self, sweep_file: &Path, trials: &[Trial]) -> Result<(), SweepError> {
+    /// anything runs; the ASHA rungs when the sweep has `[asha]`.
+    pub fn check(
+        &self,
+        sweep_file: &Path,
+        trials: &[Trial],
+    ) -> Result<Option<Vec<u32>>, SweepError> {
         let base = self.base_path(sweep_file);
+        let mut schedules = Vec::new();
         for t in trials {
-            let mut sets = self.set.clone();
-            sets.extend(t.sets());
-            let cfg = config::load(&base, &sets).map_err(|source| SweepError::Trial {
-                path: sweep_file.to_path_buf(),
-                trial: t.index,
-                label: t.label(),
-                source: Box::new(source),
-            })?;
+            let cfg = self.trial_config(&base, sweep_file, t)?;
             if !cfg.devices.visible.is_empty() {
                 return Err(SweepError::Invalid {
                     path: sweep_file.to_path_buf(),
@@ -313,19 +311,56 @@ impl SweepSpec {
                     ),
                 });
             }
+            schedules.push((t.index, cfg.train.epochs, cfg.eval.every_epochs));
         }
-        Ok(())
+        self.rungs_for(sweep_file, &schedules)
     }
-}
 
-impl SweepSpec {
-    /// The ASHA rungs (epochs) of the sweep, when it has `[asha]`: every trial must train
-    /// the same number of epochs and be evaluated at every rung, so that the trials
-    /// compared at a rung have measured the same thing.
+    /// The ASHA rungs of a sweep being resumed ([`SweepSpec::check`] ran when it started).
     pub fn asha_rungs(
         &self,
         sweep_file: &Path,
         trials: &[Trial],
+    ) -> Result<Option<Vec<u32>>, SweepError> {
+        if self.asha.is_none() {
+            return Ok(None);
+        }
+        let base = self.base_path(sweep_file);
+        let schedules = trials
+            .iter()
+            .map(|t| {
+                let cfg = self.trial_config(&base, sweep_file, t)?;
+                Ok((t.index, cfg.train.epochs, cfg.eval.every_epochs))
+            })
+            .collect::<Result<Vec<_>, SweepError>>()?;
+        self.rungs_for(sweep_file, &schedules)
+    }
+
+    /// Trial `t`'s config: the base with the sweep's and the trial's settings.
+    fn trial_config(
+        &self,
+        base: &Path,
+        sweep_file: &Path,
+        t: &Trial,
+    ) -> Result<config::Config, SweepError> {
+        let mut sets = self.set.clone();
+        sets.extend(t.sets());
+        config::load(base, &sets).map_err(|source| SweepError::Trial {
+            path: sweep_file.to_path_buf(),
+            trial: t.index,
+            label: t.label(),
+            source: Box::new(source),
+        })
+    }
+
+    /// The ASHA rungs, when the sweep has `[asha]`, from each trial's `(index, epochs,
+    /// eval.every_epochs)`: every trial must train the same number of epochs and be
+    /// evaluated at every rung, so that the trials compared at a rung have measured the
+    /// same thing.
+    fn rungs_for(
+        &self,
+        sweep_file: &Path,
+        schedules: &[(usize, u32, u32)],
     ) -> Result<Option<Vec<u32>>, SweepError> {
         let Some(asha) = &self.asha else {
             return Ok(None);
@@ -341,34 +376,15 @@ impl SweepSpec {
                 "metric = \"final_test_loss\" with goal = \"max\": [asha] would keep the trials with the highest loss; set goal = \"min\"".into(),
             ));
         }
-        let base = self.base_path(sweep_file);
-        let mut epochs = None;
-        let mut every = Vec::new();
-        for t in trials {
-            let mut sets = self.set.clone();
-            sets.extend(t.sets());
-            let cfg = config::load(&base, &sets).map_err(|source| SweepError::Trial {
-                path: sweep_file.to_path_buf(),
-                trial: t.index,
-                label: t.label(),
-                source: Box::new(source),
-            })?;
-            match epochs {
-                None => epochs = Some(cfg.train.epochs),
-                Some(e) if e != cfg.train.epochs => {
-                    return Err(invalid(format!(
-                        "[asha] compares trials at the same epochs, but trial {} trains {} epochs and trial 0 {e}; do not sweep train.epochs with [asha]",
-                        t.index, cfg.train.epochs
-                    )));
-                }
-                _ => {}
-            }
-            every.push((t.index, cfg.eval.every_epochs));
+        let epochs = schedules.first().map_or(0, |s| s.1);
+        if let Some((trial, e, _)) = schedules.iter().find(|s| s.1 != epochs) {
+            return Err(invalid(format!(
+                "[asha] compares trials at the same epochs, but trial {trial} trains {e} epochs and trial 0 {epochs}; do not sweep train.epochs with [asha]"
+            )));
         }
-        let epochs = epochs.unwrap_or(0);
         asha.validate(epochs).map_err(invalid)?;
         let rungs = asha.rungs(epochs);
-        for (trial, every) in every {
+        for &(trial, _, every) in schedules {
             if let Some(r) = rungs.iter().find(|&&r| every == 0 || r % every != 0) {
                 return Err(invalid(format!(
                     "[asha] judges trials by their test metric at epochs {rungs:?}, but trial {trial} has eval.every_epochs = {every}, which does not evaluate epoch {r}; set eval.every_epochs = 1 (in `set`)"

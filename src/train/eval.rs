@@ -1,7 +1,9 @@
 //! `kiln eval`: a saved model on a dataset split, BatchNorm in inference mode.
 
 use crate::ops::TrainBackend;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+
+use burn::backend::flex::{Flex, FlexDevice};
 
 use super::backend::BackendJob;
 use super::checkpoint::{self, CheckpointError};
@@ -9,6 +11,7 @@ use super::error::TrainError;
 use super::evaluator::evaluate;
 use super::state::TrainState;
 use crate::data::Loader;
+use crate::model::ResNet;
 
 pub struct EvalJob {
     pub checkpoint: PathBuf,
@@ -20,19 +23,35 @@ impl BackendJob for EvalJob {
     type Output = Result<(f64, f64), TrainError>;
 
     fn run<B: TrainBackend>(self, devices: Vec<B::Device>) -> Self::Output {
-        let device = devices
-            .into_iter()
-            .next()
-            .expect("a device plan always holds at least one device");
-        let model = self.state.spec.init::<B::InnerBackend>(&device);
-        let model = checkpoint::read_model(&self.checkpoint, model, &device)?;
+        let (model, device) = saved_model::<B>(&self.checkpoint, &self.state, devices)?;
         Ok(evaluate(&model, &self.loader, &device)?)
     }
 }
 
+/// The network of checkpoint `dir` (whose state is `state`) for inference, on the
+/// first of a plan's `devices`, and that device.
+pub(super) fn saved_model<B: TrainBackend>(
+    dir: &Path,
+    state: &TrainState,
+    devices: Vec<B::Device>,
+) -> Result<(ResNet<B::InnerBackend>, B::Device), CheckpointError> {
+    let device = devices
+        .into_iter()
+        .next()
+        .expect("a device plan always holds at least one device");
+    let model = checkpoint::read_model(dir, state.spec.init(&device), &device)?;
+    Ok((model, device))
+}
+
+/// The network of checkpoint `dir` (whose state is `state`) on the CPU, for `kiln
+/// export`.
+pub fn read_model_on_cpu(dir: &Path, state: &TrainState) -> Result<ResNet<Flex>, CheckpointError> {
+    checkpoint::read_model(dir, state.spec.init(&FlexDevice), &FlexDevice)
+}
+
 /// The checkpoint `kiln eval` uses: the newest good one, or the best one.
 pub fn pick_checkpoint(
-    run_dir: &std::path::Path,
+    run_dir: &Path,
     best: bool,
 ) -> Result<(PathBuf, TrainState), CheckpointError> {
     let store = checkpoint::Store::new(run_dir);

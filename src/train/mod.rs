@@ -14,7 +14,6 @@ mod error;
 mod eval;
 mod evaluator;
 mod exchange;
-mod export;
 mod faults;
 mod fit;
 mod fused_sgd;
@@ -34,9 +33,8 @@ mod watchdog;
 
 pub use checkpoint::CheckpointError;
 pub use error::TrainError;
-pub use eval::{EvalJob, pick_checkpoint};
+pub use eval::{EvalJob, pick_checkpoint, read_model_on_cpu};
 pub use exchange::ExchangeError;
-pub use export::read_model_on_cpu;
 pub use fit::{Outcome, TrainJob};
 pub use precompile::WarmupJob;
 pub use predict::{PredictJob, top_k};

@@ -5,8 +5,8 @@ use std::path::PathBuf;
 use burn::tensor::activation::softmax;
 
 use super::backend::BackendJob;
-use super::checkpoint;
 use super::error::TrainError;
+use super::eval::saved_model;
 use super::state::TrainState;
 use super::step::to_device;
 use crate::data::Loader;
@@ -23,12 +23,7 @@ impl BackendJob for PredictJob {
     type Output = Result<Vec<Vec<f32>>, TrainError>;
 
     fn run<B: TrainBackend>(self, devices: Vec<B::Device>) -> Self::Output {
-        let device = devices
-            .into_iter()
-            .next()
-            .expect("a device plan always holds at least one device");
-        let model = self.state.spec.init::<B::InnerBackend>(&device);
-        let model = checkpoint::read_model(&self.checkpoint, model, &device)?;
+        let (model, device) = saved_model::<B>(&self.checkpoint, &self.state, devices)?;
         let classes = self.state.spec.num_classes;
         let mut out = Vec::with_capacity(self.loader.num_images());
         for batch in self.loader.epoch(0, 0) {

@@ -106,19 +106,24 @@ fn header(file: &Path) -> serde_json::Value {
     serde_json::from_slice(&bytes[8..8 + n]).unwrap()
 }
 
+/// `kiln export` of `run` into `output`, with `flags` before the others.
+fn export(run: &Path, flags: &[&str], output: &Path) -> Output {
+    Output::of(
+        kiln()
+            .arg("export")
+            .args(flags)
+            .arg("--run")
+            .arg(run)
+            .arg("--output")
+            .arg(output),
+    )
+}
+
 #[test]
 fn export_writes_torchvision_names_and_the_inputs_metadata() {
     let run = trained_run("export");
     let file = run.parent().unwrap().join("model.safetensors");
-    Output::of(
-        kiln()
-            .args(["export", "--run"])
-            .arg(&run)
-            .arg("--output")
-            .arg(&file),
-    )
-    .success()
-    .stdout_has("tensors");
+    export(&run, &[], &file).success().stdout_has("tensors");
     let h = header(&file);
     assert_eq!(h["conv1.weight"]["shape"], serde_json::json!([8, 3, 3, 3]));
     assert_eq!(h["fc.weight"]["shape"], serde_json::json!([2, 16]));
@@ -131,30 +136,9 @@ fn export_writes_torchvision_names_and_the_inputs_metadata() {
     let mean: Vec<f64> = serde_json::from_str(meta["mean"].as_str().unwrap()).unwrap();
     assert_eq!(mean.len(), 3);
     // The file is the user's: not replaced without --force.
-    Output::of(
-        kiln()
-            .args(["export", "--run"])
-            .arg(&run)
-            .arg("--output")
-            .arg(&file),
-    )
-    .code(2)
-    .stderr_has("--force");
-    Output::of(
-        kiln()
-            .args(["export", "--force", "--run"])
-            .arg(&run)
-            .arg("--output")
-            .arg(&file),
-    )
-    .success();
-    Output::of(
-        kiln()
-            .args(["export", "--run"])
-            .arg(&run)
-            .arg("--output")
-            .arg(run.join("model.bin")),
-    )
-    .code(2)
-    .stderr_has(".safetensors");
+    export(&run, &[], &file).code(2).stderr_has("--force");
+    export(&run, &["--force"], &file).success();
+    export(&run, &[], &run.join("model.bin"))
+        .code(2)
+        .stderr_has(".safetensors");
 }
