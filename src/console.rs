@@ -75,15 +75,35 @@ static VERBOSITY: AtomicU8 = AtomicU8::new(Verbosity::Normal as u8);
 
 /// The processes kiln starts (a supervised trainer, launched ranks, sweep trials)
 /// inherit the choice through this variable.
-pub const VERBOSITY_VAR: &str = "KILN_VERBOSITY";
+const VERBOSITY_VAR: &str = "KILN_VERBOSITY";
 
-/// Sets the verbosity: `flag` when given, else what the parent process passed down.
+impl Verbosity {
+    fn name(self) -> &'static str {
+        match self {
+            Verbosity::Quiet => "quiet",
+            Verbosity::Normal => "normal",
+            Verbosity::Verbose => "verbose",
+        }
+    }
+}
+
+/// Sets the verbosity: `flag` when given (and passed down to the processes kiln
+/// starts), else what the parent process passed down. Called first thing in `main`.
 pub fn set_verbosity(flag: Option<Verbosity>) {
-    let v = flag.unwrap_or_else(|| match std::env::var(VERBOSITY_VAR).as_deref() {
-        Ok("quiet") => Verbosity::Quiet,
-        Ok("verbose") => Verbosity::Verbose,
-        _ => Verbosity::Normal,
-    });
+    let v = match flag {
+        Some(v) => {
+            // SAFETY: `main` calls this before any other thread runs.
+            unsafe { std::env::set_var(VERBOSITY_VAR, v.name()) };
+            v
+        }
+        None => {
+            let passed = std::env::var(VERBOSITY_VAR).unwrap_or_default();
+            [Verbosity::Quiet, Verbosity::Verbose]
+                .into_iter()
+                .find(|v| v.name() == passed)
+                .unwrap_or(Verbosity::Normal)
+        }
+    };
     VERBOSITY.store(v as u8, Ordering::Relaxed);
 }
 

@@ -37,18 +37,13 @@ pub static malloc_conf: &[u8] = b"oversize_threshold:0,dirty_decay_ms:-1,muzzy_d
 
 fn main() -> ExitCode {
     let cli = cli::Cli::parse(); // clap exits 2 on usage errors
-    let flag = if cli.quiet {
-        Some((console::Verbosity::Quiet, "quiet"))
+    console::set_verbosity(if cli.quiet {
+        Some(console::Verbosity::Quiet)
     } else if cli.verbose {
-        Some((console::Verbosity::Verbose, "verbose"))
+        Some(console::Verbosity::Verbose)
     } else {
         None
-    };
-    if let Some((_, name)) = flag {
-        // SAFETY: no other thread runs yet; the processes kiln starts inherit it.
-        unsafe { std::env::set_var(console::VERBOSITY_VAR, name) };
-    }
-    console::set_verbosity(flag.map(|f| f.0));
+    });
     match cmd::run(cli) {
         Ok(code) => code,
         Err(err) => {
