@@ -73,6 +73,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
             steps: args.steps,
             warmup: args.warmup,
             breakdown_steps: args.breakdown_steps,
+            pool: pool_probe(&plan),
         },
     )?;
     let memory = match &plan {
@@ -168,9 +169,30 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
                 x.synced_compute_ms
             );
         }
+        if let Some(mib) = report.pool_reserved_mib {
+            let peak = report
+                .breakdown
+                .as_ref()
+                .and_then(|b| b.pool_in_use_after_forward_mib)
+                .map(|m| format!(", {m} MiB of it in use after the forward pass"))
+                .unwrap_or_default();
+            crate::out!("  memory pool       {mib} MiB reserved{peak}");
+        }
         if let Some(mib) = memory {
             crate::out!("  device memory in use at the end: {mib} MiB (all processes)");
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The first GPU's memory pool, read from the calling thread (the one that trains).
+fn pool_probe(plan: &DevicePlan) -> Option<crate::train::PoolProbe> {
+    match plan {
+        #[cfg(feature = "cuda")]
+        DevicePlan::Cuda { gpus, .. } => {
+            let ordinal = gpus[0].ordinal;
+            Some(Box::new(move || crate::ops::cuda::pool_usage(ordinal)))
+        }
+        _ => None,
+    }
 }

@@ -12,8 +12,6 @@
 
 use burn::nn::conv::Conv2d;
 use burn::nn::{Linear, PaddingConfig2d};
-use burn::tensor::backend::Backend;
-use burn::tensor::module::linear;
 use burn::tensor::ops::ConvOptions;
 use burn::tensor::{FloatDType, Tensor};
 
@@ -92,13 +90,34 @@ pub fn conv<B: ConvBackend>(conv: &Conv2d<B>, x: Tensor<B, 4>, c: Compute) -> Te
     }
 }
 
-/// `fc.forward(x)` with the matmul in `precision`; the bias is added in `x`'s dtype.
-pub fn dense<B: Backend>(fc: &Linear<B>, x: Tensor<B, 2>, precision: Precision) -> Tensor<B, 2> {
-    let Some(low) = compute_dtype(precision) else {
-        return fc.forward(x);
-    };
+/// `fc.forward(x)` with the product in `precision`, computed as a 1x1 convolution of
+/// `[B, F, 1, 1]` through [`ConvBackend`]; the bias is added in `x`'s dtype. On CUDA
+/// that is cuDNN, which plans a shape in milliseconds: Burn's matmul autotunes each
+/// new shape by compiling about fifty candidate kernels, which was 60-100 s of a
+/// process's first step for this one small layer (BENCHMARKS.md, "Cold start"). The
+/// parameters stay `Linear`'s, so checkpoints and exports do not change.
+pub fn dense<B: ConvBackend>(
+    fc: &Linear<B>,
+    x: Tensor<B, 2>,
+    precision: Precision,
+) -> Tensor<B, 2> {
+    let [n, features] = x.dims();
+    let weight = fc.weight.val(); // [features, classes]
+    let classes = weight.dims()[1];
     let dtype = x.dtype();
-    let y = linear(x.cast(low), fc.weight.val().cast(low), None).cast(dtype);
+    let low = |t: Tensor<B, 2>| match compute_dtype(precision) {
+        Some(low) => t.cast(low),
+        None => t,
+    };
+    let options = ConvOptions::new([1, 1], [0, 0], [1, 1], 1);
+    let y = conv2d(
+        low(x).reshape([n, features, 1, 1]),
+        low(weight.transpose()).reshape([classes, features, 1, 1]),
+        options,
+        Layout::Nchw,
+    )
+    .reshape([n, classes])
+    .cast(dtype);
     match &fc.bias {
         Some(b) => y + b.val().unsqueeze(),
         None => y,
@@ -145,6 +164,40 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn the_classifier_as_a_convolution_is_burns_linear_layer() {
+        let _rng = rng_lock();
+        let fc = LinearConfig::new(5, 3).init::<TestBackend>(&device());
+        let x = Tensor::<TestBackend, 2>::random([4, 5], Distribution::Normal(0.0, 1.0), &device())
+            .require_grad();
+        let weights = Tensor::<TestBackend, 2>::random(
+            [4, 3],
+            Distribution::Normal(0.0, 1.0),
+            &device(),
+        );
+        let run = |ours: bool| {
+            let y = if ours {
+                dense(&fc, x.clone(), Precision::Fp32)
+            } else {
+                fc.forward(x.clone())
+            };
+            let g = (y.clone() * weights.clone()).sum().backward();
+            let grad = |t: Option<Tensor<TestBackend, 2>>| t.unwrap().into_data();
+            (
+                y.into_data(),
+                grad(x.grad(&g)),
+                grad(fc.weight.val().grad(&g)),
+                fc.bias.as_ref().unwrap().val().grad(&g).unwrap().into_data(),
+            )
+        };
+        let (ours, burns) = (run(true), run(false));
+        let tol = Tolerance::<f32>::absolute(1e-5);
+        ours.0.assert_approx_eq::<f32>(&burns.0, tol);
+        ours.1.assert_approx_eq::<f32>(&burns.1, tol);
+        ours.2.assert_approx_eq::<f32>(&burns.2, tol);
+        ours.3.assert_approx_eq::<f32>(&burns.3, tol);
     }
 
     #[test]

@@ -35,7 +35,12 @@ pub struct BenchJob {
     pub warmup: usize,
     /// Steps timed phase by phase.
     pub breakdown_steps: usize,
+    /// The device's memory pool, `(in use, reserved)` bytes, where the backend has one.
+    pub pool: Option<PoolProbe>,
 }
+
+/// Reads a device's memory pool: `(bytes in use, bytes reserved)`.
+pub type PoolProbe = Box<dyn Fn() -> Option<(u64, u64)>>;
 
 /// Milliseconds per step, phase by phase, each ended by a device synchronisation.
 #[derive(Debug, Clone, Serialize)]
@@ -50,6 +55,9 @@ pub struct Breakdown {
     pub optimizer_ms: f64,
     /// Sum of the phases: above `step_ms` by what synchronising between phases costs.
     pub total_ms: f64,
+    /// The pool's bytes in use at the end of the forward pass, when every activation the
+    /// backward pass needs is alive (the step's peak), in MiB; the most over the steps.
+    pub pool_in_use_after_forward_mib: Option<u64>,
 }
 
 /// [`crate::ops::KilnWaits`] per step (summed over threads).
@@ -110,6 +118,9 @@ pub struct BenchReport {
     pub device_busy_ms: Vec<f64>,
     /// With a gradient exchange: what it costs on synchronised steps.
     pub exchange: Option<Exchanged>,
+    /// What the main thread's memory pool on the first device reserved from the driver
+    /// by the end, in MiB (its peak: pages are never returned); CUDA only.
+    pub pool_reserved_mib: Option<u64>,
 }
 
 /// The gradient exchange's cost: the same steps timed with it and without it, in
@@ -266,8 +277,14 @@ impl BackendJob for BenchJob {
                 cfg,
                 &device,
                 self.breakdown_steps,
+                self.pool.as_deref(),
             )
         });
+        let pool_reserved_mib = self
+            .pool
+            .as_ref()
+            .and_then(|probe| probe())
+            .map(|(_, reserved)| reserved >> 20);
         Ok(BenchReport {
             model: format!("{:?}", cfg.model.arch).to_lowercase(),
             image_size: shape.height,
@@ -282,6 +299,7 @@ impl BackendJob for BenchJob {
             waits,
             device_busy_ms,
             exchange,
+            pool_reserved_mib,
         })
     }
 }
@@ -331,10 +349,12 @@ fn breakdown<B: TrainBackend>(
     cfg: &Config,
     device: &B::Device,
     steps: usize,
+    pool: Option<&dyn Fn() -> Option<(u64, u64)>>,
 ) -> Breakdown {
     let sync = || B::sync(device).expect("the device should synchronise");
     let mut ms = [0f64; 4];
     let mut host = 0.0;
+    let mut peak: Option<u64> = None;
     for _ in 0..steps {
         let batch = batch.clone();
         let t = Instant::now();
@@ -348,6 +368,9 @@ fn breakdown<B: TrainBackend>(
         let loss = cross_entropy(logits, labels, cfg.train.label_smoothing);
         sync();
         ms[1] += t.elapsed().as_secs_f64();
+        if let Some((in_use, _)) = pool.and_then(|probe| probe()) {
+            peak = Some(peak.unwrap_or(0).max(in_use >> 20));
+        }
 
         let t = Instant::now();
         let grads = GradientsParams::from_grads(loss.backward(), &model);
@@ -367,6 +390,7 @@ fn breakdown<B: TrainBackend>(
         backward_ms: per(ms[2]),
         optimizer_ms: per(ms[3]),
         total_ms: per(ms.iter().sum()),
+        pool_in_use_after_forward_mib: peak,
     }
 }
 
@@ -392,6 +416,7 @@ mod tests {
             steps: 3,
             warmup: 1,
             breakdown_steps: 2,
+            pool: None,
         }
     }
 

@@ -46,3 +46,17 @@ pub fn configure(routing: Routing) {
     channels_last_norm::set_enabled(routing.channels_last_norm);
     pinned::set_pinned(routing.pinned_uploads);
 }
+
+/// cubecl's device memory pool of the calling thread's stream on GPU `ordinal`, in
+/// bytes: `(handed out to tensors, reserved from the driver)`. cubecl keeps one pool per
+/// stream and never returns a page, so what is reserved at the end is the peak (what
+/// PyTorch calls `max_memory_reserved`).
+pub fn pool_usage(ordinal: usize) -> Option<(u64, u64)> {
+    use burn::backend::cuda::CudaDevice;
+    use burn::cubecl::Runtime;
+    use burn::cubecl::cuda::CudaRuntime;
+    let usage = CudaRuntime::client(&CudaDevice::new(ordinal))
+        .memory_usage()
+        .ok()?;
+    Some((usage.bytes_in_use, usage.bytes_reserved))
+}
