@@ -96,6 +96,9 @@ def main() -> None:
         step()
     torch.cuda.synchronize()
     step_s = (time.perf_counter() - t) / args.steps
+    # What nvidia-smi shows in use on the GPU (the process's CUDA context and libraries
+    # too), as kiln bench's memory_in_use_mib does.
+    free, total = torch.cuda.mem_get_info()
     if ddp:
         torch.distributed.destroy_process_group()
     if rank != 0:
@@ -115,6 +118,7 @@ def main() -> None:
         "step_ms": round(step_s * 1e3, 3),
         "img_per_s": round(args.batch * world / step_s, 1),
         "max_memory_reserved_mib": torch.cuda.max_memory_reserved() // 2**20,
+        "memory_in_use_mib": (total - free) // 2**20,
         "device": torch.cuda.get_device_name(0),
     }))
 

@@ -132,6 +132,7 @@ pub fn kernel_settings(
         cudnn_convolutions,
         cudnn_batch_norm,
         channels_last_norm,
+        conv_workspace: config.kernels.conv_workspace_mib as usize * (1 << 20),
         // Applied by the CUDA backend only; the CPU uploads nothing.
         pinned_uploads: config.data.pin_memory,
     })

@@ -65,6 +65,12 @@ pub struct KernelsConfig {
     /// the low precision between layers. On CUDA it needs cuDNN's convolutions and batch
     /// norm on kiln's or cuDNN's kernels, and the run stops before training without them.
     pub channels_last: bool,
+    /// The most device memory one cuDNN convolution may use as scratch space, in MiB;
+    /// cuDNN's fastest proposal that fits is taken. A workspace over 64 MiB lands in
+    /// cubecl's next size class of memory pages (2 GiB each on an H200), which the pool
+    /// keeps for the rest of the run: 64 halves ResNet-18's fp32 pool and doubles its
+    /// step (BENCHMARKS.md, "Memory"), so the default leaves cuDNN its fastest plans.
+    pub conv_workspace_mib: u32,
     /// Recompute memory-bound activations in the backward pass instead of keeping them
     /// (Burn's balanced checkpointing).
     pub gradient_checkpointing: bool,
@@ -77,15 +83,26 @@ impl Default for KernelsConfig {
             convolution: Convolution::Auto,
             batch_norm: BatchNormKernels::Auto,
             channels_last: false,
+            conv_workspace_mib: 1024,
             gradient_checkpointing: false,
         }
     }
 }
 
+/// More scratch space than this never made a convolution faster enough to matter.
+const MAX_CONV_WORKSPACE_MIB: u32 = 4096;
+
 impl KernelsConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
         // Every combination parses; whether the machine can run it (cuDNN present) is
         // decided when the kernels are set up, not here.
+        if self.conv_workspace_mib > MAX_CONV_WORKSPACE_MIB {
+            return Err(ConfigError::invalid(
+                "kernels.conv_workspace_mib",
+                self.conv_workspace_mib.to_string(),
+                format!("0 to {MAX_CONV_WORKSPACE_MIB} (MiB)"),
+            ));
+        }
         Ok(())
     }
 }

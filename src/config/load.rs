@@ -329,6 +329,28 @@ mod tests {
     }
 
     #[test]
+    fn the_convolution_workspace_is_bounded_in_mib() {
+        assert_eq!(
+            load_str("", "t.toml", &[])
+                .unwrap()
+                .kernels
+                .conv_workspace_mib,
+            1024
+        );
+        let c = load_str("", "t.toml", &sets(&["kernels.conv_workspace_mib=0"])).unwrap();
+        assert_eq!(c.kernels.conv_workspace_mib, 0);
+        let msg = load_str("", "t.toml", &sets(&["kernels.conv_workspace_mib=5000"]))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            msg.contains("kernels.conv_workspace_mib")
+                && msg.contains("5000")
+                && msg.contains("4096"),
+            "{msg}"
+        );
+    }
+
+    #[test]
     fn range_error_names_key_value_and_allowed() {
         let msg = load_str(
             "",

@@ -2,7 +2,7 @@
 
 mod block;
 mod flavors;
-mod precision;
+pub(crate) mod precision;
 mod resnet;
 pub mod torchvision;
 

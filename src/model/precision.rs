@@ -172,11 +172,8 @@ mod tests {
         let fc = LinearConfig::new(5, 3).init::<TestBackend>(&device());
         let x = Tensor::<TestBackend, 2>::random([4, 5], Distribution::Normal(0.0, 1.0), &device())
             .require_grad();
-        let weights = Tensor::<TestBackend, 2>::random(
-            [4, 3],
-            Distribution::Normal(0.0, 1.0),
-            &device(),
-        );
+        let weights =
+            Tensor::<TestBackend, 2>::random([4, 3], Distribution::Normal(0.0, 1.0), &device());
         let run = |ours: bool| {
             let y = if ours {
                 dense(&fc, x.clone(), Precision::Fp32)
@@ -184,12 +181,17 @@ mod tests {
                 fc.forward(x.clone())
             };
             let g = (y.clone() * weights.clone()).sum().backward();
-            let grad = |t: Option<Tensor<TestBackend, 2>>| t.unwrap().into_data();
             (
                 y.into_data(),
-                grad(x.grad(&g)),
-                grad(fc.weight.val().grad(&g)),
-                fc.bias.as_ref().unwrap().val().grad(&g).unwrap().into_data(),
+                x.grad(&g).unwrap().into_data(),
+                fc.weight.val().grad(&g).unwrap().into_data(),
+                fc.bias
+                    .as_ref()
+                    .unwrap()
+                    .val()
+                    .grad(&g)
+                    .unwrap()
+                    .into_data(),
             )
         };
         let (ours, burns) = (run(true), run(false));

@@ -35,6 +35,9 @@ pub struct KernelSettings {
     /// (`ops::channels_last_norm`), ahead of cuDNN.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub channels_last_norm: bool,
+    /// The most scratch memory one cuDNN convolution may take, in bytes.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub conv_workspace: usize,
     /// Whether batches are uploaded from page-locked memory (`data.pin_memory`).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub pinned_uploads: bool,
@@ -149,6 +152,7 @@ mod cuda {
                 cudnn_convolutions: kernels.cudnn_convolutions,
                 cudnn_batch_norm: kernels.cudnn_batch_norm,
                 channels_last_norm: kernels.channels_last_norm,
+                conv_workspace: kernels.conv_workspace,
                 pinned_uploads: kernels.pinned_uploads,
             });
         });

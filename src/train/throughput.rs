@@ -268,18 +268,8 @@ impl BackendJob for BenchJob {
             }
         };
         // Phases are timed on one device; with several, the step above is the figure.
-        let breakdown = (n_devices == 1 && exchange.is_none()).then(|| {
-            breakdown::<B>(
-                model,
-                &mut optim,
-                &batch,
-                lr,
-                cfg,
-                &device,
-                self.breakdown_steps,
-                self.pool.as_deref(),
-            )
-        });
+        let breakdown = (n_devices == 1 && exchange.is_none())
+            .then(|| self.breakdown(model, &mut optim, &batch, lr, &device));
         let pool_reserved_mib = self
             .pool
             .as_ref()
@@ -341,56 +331,58 @@ fn feed(batch: &Batch) -> Receiver<Batch> {
     rx
 }
 
-fn breakdown<B: TrainBackend>(
-    mut model: ResNet<B>,
-    optim: &mut Optim<ResNet<B>, B>,
-    batch: &Batch,
-    lr: f64,
-    cfg: &Config,
-    device: &B::Device,
-    steps: usize,
-    pool: Option<&dyn Fn() -> Option<(u64, u64)>>,
-) -> Breakdown {
-    let sync = || B::sync(device).expect("the device should synchronise");
-    let mut ms = [0f64; 4];
-    let mut host = 0.0;
-    let mut peak: Option<u64> = None;
-    for _ in 0..steps {
-        let batch = batch.clone();
-        let t = Instant::now();
-        let (images, labels) = to_device::<B>(batch, device);
-        host += t.elapsed().as_secs_f64();
-        sync();
-        ms[0] += t.elapsed().as_secs_f64();
+impl BenchJob {
+    /// `breakdown_steps` steps with a device synchronisation after each phase.
+    fn breakdown<B: TrainBackend>(
+        &self,
+        mut model: ResNet<B>,
+        optim: &mut Optim<ResNet<B>, B>,
+        batch: &Batch,
+        lr: f64,
+        device: &B::Device,
+    ) -> Breakdown {
+        let (cfg, steps, pool) = (&self.config, self.breakdown_steps, self.pool.as_deref());
+        let sync = || B::sync(device).expect("the device should synchronise");
+        let mut ms = [0f64; 4];
+        let mut host = 0.0;
+        let mut peak: Option<u64> = None;
+        for _ in 0..steps {
+            let batch = batch.clone();
+            let t = Instant::now();
+            let (images, labels) = to_device::<B>(batch, device);
+            host += t.elapsed().as_secs_f64();
+            sync();
+            ms[0] += t.elapsed().as_secs_f64();
 
-        let t = Instant::now();
-        let logits = model.forward(images);
-        let loss = cross_entropy(logits, labels, cfg.train.label_smoothing);
-        sync();
-        ms[1] += t.elapsed().as_secs_f64();
-        if let Some((in_use, _)) = pool.and_then(|probe| probe()) {
-            peak = Some(peak.unwrap_or(0).max(in_use >> 20));
+            let t = Instant::now();
+            let logits = model.forward(images);
+            let loss = cross_entropy(logits, labels, cfg.train.label_smoothing);
+            sync();
+            ms[1] += t.elapsed().as_secs_f64();
+            if let Some((in_use, _)) = pool.and_then(|probe| probe()) {
+                peak = Some(peak.unwrap_or(0).max(in_use >> 20));
+            }
+
+            let t = Instant::now();
+            let grads = GradientsParams::from_grads(loss.backward(), &model);
+            sync();
+            ms[2] += t.elapsed().as_secs_f64();
+
+            let t = Instant::now();
+            model = optim.step(lr, model, grads);
+            sync();
+            ms[3] += t.elapsed().as_secs_f64();
         }
-
-        let t = Instant::now();
-        let grads = GradientsParams::from_grads(loss.backward(), &model);
-        sync();
-        ms[2] += t.elapsed().as_secs_f64();
-
-        let t = Instant::now();
-        model = optim.step(lr, model, grads);
-        sync();
-        ms[3] += t.elapsed().as_secs_f64();
-    }
-    let per = |v: f64| v * 1e3 / steps.max(1) as f64;
-    Breakdown {
-        upload_ms: per(ms[0]),
-        upload_host_ms: per(host),
-        forward_ms: per(ms[1]),
-        backward_ms: per(ms[2]),
-        optimizer_ms: per(ms[3]),
-        total_ms: per(ms.iter().sum()),
-        pool_in_use_after_forward_mib: peak,
+        let per = |v: f64| v * 1e3 / steps.max(1) as f64;
+        Breakdown {
+            upload_ms: per(ms[0]),
+            upload_host_ms: per(host),
+            forward_ms: per(ms[1]),
+            backward_ms: per(ms[2]),
+            optimizer_ms: per(ms[3]),
+            total_ms: per(ms.iter().sum()),
+            pool_in_use_after_forward_mib: peak,
+        }
     }
 }
 

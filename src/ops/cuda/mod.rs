@@ -37,11 +37,14 @@ pub struct Routing {
     pub channels_last_norm: bool,
     /// Batches uploaded from page-locked memory.
     pub pinned_uploads: bool,
+    /// The most scratch memory one cuDNN convolution may take, in bytes.
+    pub conv_workspace: usize,
 }
 
 /// Routes the extensions as `routing` says.
 pub fn configure(routing: Routing) {
     cudnn::set_convolutions(routing.cudnn_convolutions);
+    cudnn::set_workspace_limit(routing.conv_workspace);
     cudnn::set_batch_norm(routing.cudnn_batch_norm);
     channels_last_norm::set_enabled(routing.channels_last_norm);
     pinned::set_pinned(routing.pinned_uploads);

@@ -52,7 +52,7 @@ pub(super) enum Conv {
 }
 
 impl Conv {
-    fn workspace(&self) -> usize {
+    pub(super) fn workspace(&self) -> usize {
         match self {
             Conv::Graph(g) => g.workspace,
             Conv::Legacy { plan, .. } => plan.workspace,
@@ -353,6 +353,64 @@ mod tests {
                         "{dtype:?} {layout:?} stride {stride} size {size}: {part} differs by {rel} relative"
                     );
                 }
+            }
+        }
+        set_convolutions(false);
+    }
+
+    /// The classifier's product (`model::precision::dense`: a 1x1 convolution over 1x1
+    /// images, on cuDNN here) and its gradients against the same sums on the host.
+    #[test]
+    #[ignore = "needs a CUDA GPU and cuDNN"]
+    fn the_classifier_on_cudnn_matches_the_product_on_the_host() {
+        use crate::config::Precision;
+        use crate::model::precision::dense;
+        use burn::module::Param;
+        use burn::nn::LinearConfig;
+        use burn::tensor::TensorData;
+        super::super::probe(0).expect("cuDNN should load on this machine");
+        set_convolutions(true);
+        let dev = CudaDevice::new(0);
+        let (n, f, c) = (6, 40, 10);
+        let xs: Vec<f32> = (0..n * f)
+            .map(|i| (i * 7 % 13) as f32 / 6.0 - 1.0)
+            .collect();
+        let ws: Vec<f32> = (0..f * c)
+            .map(|i| (i * 5 % 11) as f32 / 10.0 - 0.5)
+            .collect();
+        let bs: Vec<f32> = (0..c).map(|k| k as f32 / 10.0).collect();
+        let gs: Vec<f32> = (0..n * c).map(|i| i as f32 / (n * c) as f32).collect();
+        let (mut y, mut dx, mut dw) = (bs.repeat(n), vec![0f32; n * f], vec![0f32; f * c]);
+        for i in 0..n {
+            for j in 0..f {
+                for k in 0..c {
+                    y[i * c + k] += xs[i * f + j] * ws[j * c + k];
+                    dx[i * f + j] += gs[i * c + k] * ws[j * c + k];
+                    dw[j * c + k] += xs[i * f + j] * gs[i * c + k];
+                }
+            }
+        }
+        let data = |v: &[f32], shape: Vec<usize>| TensorData::new(v.to_vec(), shape);
+        for (precision, tol) in [(Precision::Fp32, 1e-2), (Precision::Bf16, 3e-2)] {
+            let mut fc = LinearConfig::new(f, c).init::<B>(&dev);
+            fc.weight = Param::from_tensor(T::from_data(data(&ws, vec![f, c]), &dev));
+            fc.bias = Some(Param::from_tensor(T::from_data(data(&bs, vec![c]), &dev)));
+            let x = T::<B, 2>::from_data(data(&xs, vec![n, f]), &dev).require_grad();
+            let out = dense(&fc, x.clone(), precision);
+            let weights = T::<B, 2>::from_data(data(&gs, vec![n, c]), &dev);
+            let grads = (out.clone() * weights).sum().backward();
+            let v = |t: burn::tensor::TensorData| t.convert::<f32>().to_vec::<f32>().unwrap();
+            let got = [
+                v(out.into_data()),
+                v(x.grad(&grads).unwrap().into_data()),
+                v(fc.weight.val().grad(&grads).unwrap().into_data()),
+            ];
+            for (part, (a, b)) in ["output", "input grad", "weight grad"]
+                .iter()
+                .zip(got.iter().zip([&y, &dx, &dw]))
+            {
+                let rel = rel_diff(a, b);
+                assert!(rel < tol, "{precision:?}: {part} differs by {rel} relative");
             }
         }
         set_convolutions(false);

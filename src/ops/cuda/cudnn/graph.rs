@@ -17,7 +17,7 @@ use cudarc::cudnn::sys::{
     cudnnBackendDescriptorType_t as Kind,
 };
 
-use super::{ConvKey, MAX_WORKSPACE};
+use super::{ConvKey, workspace_limit};
 use crate::ops::{ConvPass, Layout};
 
 /// The graph API's entry points, checked before the first plan (a cuDNN without them
@@ -307,9 +307,11 @@ impl GraphPlan {
                     &mut workspace as *mut i64 as *mut c_void,
                 )
             })?;
-            if workspace as usize > MAX_WORKSPACE {
-                last =
-                    format!("the plans that finalize need over {MAX_WORKSPACE} bytes of workspace");
+            if workspace as usize > workspace_limit() {
+                last = format!(
+                    "the plans that finalize need over {} MiB of workspace (kernels.conv_workspace_mib)",
+                    workspace_limit() >> 20
+                );
                 continue;
             }
             return Ok(GraphPlan {

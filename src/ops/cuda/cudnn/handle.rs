@@ -177,6 +177,16 @@ impl Dnn {
                 Ok(Rc::new(Conv::Legacy { descs, plan }))
             }),
         };
+        if let Ok(conv) = &made {
+            crate::detail!(
+                "cuDNN {:?} {:?} {:?} {:?}: workspace {:.1} MiB",
+                key.part,
+                key.data,
+                key.dims,
+                key.layout,
+                conv.workspace() as f64 / (1 << 20) as f64
+            );
+        }
         self.convs.insert(key.clone(), made.clone());
         made
     }

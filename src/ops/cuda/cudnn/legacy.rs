@@ -7,7 +7,7 @@ use std::mem::MaybeUninit;
 use burn::tensor::DType;
 use cudarc::cudnn::{result as dnn, sys};
 
-use super::{ConvKey, MAX_WORKSPACE, TENSOR_OP};
+use super::{ConvKey, TENSOR_OP, workspace_limit};
 use crate::ops::{ConvPass, Layout};
 
 /// The descriptors of one convolution shape: input, filter and output, and the
@@ -216,7 +216,7 @@ pub(super) fn choose(
         };
         match workspace {
             // The descriptor keeps this math type for every call (`run`).
-            Ok(workspace) if workspace <= MAX_WORKSPACE => {
+            Ok(workspace) if workspace <= workspace_limit() => {
                 return Ok(Plan { algo, workspace });
             }
             _ => continue,

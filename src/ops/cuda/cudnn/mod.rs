@@ -22,6 +22,8 @@
 //! graph API; the legacy calls' descriptors and algorithm where that cannot plan it)
 //! and kept with the thread's cuDNN handle.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+
 use burn::cubecl::cuda::CudaRuntime;
 use burn::tensor::ops::ConvOptions;
 use burn_cubecl::tensor::CubeTensor;
@@ -46,9 +48,17 @@ use legacy::{data_type, tensor_format, write_scaling};
 
 type Tensor = CubeTensor<CudaRuntime>;
 
-/// The most workspace one convolution gets; an algorithm that asks for more is passed
-/// over for cuDNN's next proposal.
-const MAX_WORKSPACE: usize = 1 << 30;
+static WORKSPACE_LIMIT: AtomicUsize = AtomicUsize::new(1 << 30);
+
+/// The most workspace one convolution gets (`kernels.conv_workspace_mib`); a plan that
+/// asks for more is passed over for cuDNN's next proposal. Set once, before training.
+pub fn set_workspace_limit(bytes: usize) {
+    WORKSPACE_LIMIT.store(bytes, Ordering::Relaxed);
+}
+
+fn workspace_limit() -> usize {
+    WORKSPACE_LIMIT.load(Ordering::Relaxed)
+}
 
 const TENSOR_OP: sys::cudnnMathType_t = sys::cudnnMathType_t::CUDNN_TENSOR_OP_MATH;
 
