@@ -10,7 +10,9 @@ use std::fs::File;
 use std::io::Write;
 use std::path::Path;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
+
+use indicatif::ProgressBar;
 
 /// The log file once opened; before that, the lines printed so far (a bounded number:
 /// commands that never open a log keep no more).
@@ -121,11 +123,53 @@ fn is_alert(text: &str) -> bool {
     text.contains("warning: ") || text.contains("error: ")
 }
 
+/// The progress bar drawn on stderr, if any, with the token of whoever holds it: a line
+/// written from any thread while it is shown goes out around it
+/// ([`ProgressBar::suspend`]), so it never tears the bar.
+static BAR: Mutex<Option<(u64, ProgressBar)>> = Mutex::new(None);
+static BAR_TOKENS: AtomicU64 = AtomicU64::new(0);
+
+/// Routes the terminal's lines around `bar` (drawn on stderr) while the guard lives.
+pub fn hold_bar(bar: &ProgressBar) -> HeldBar {
+    let token = BAR_TOKENS.fetch_add(1, Ordering::Relaxed) + 1;
+    *BAR.lock().unwrap_or_else(|e| e.into_inner()) = Some((token, bar.clone()));
+    HeldBar(token)
+}
+
+/// [`hold_bar`]'s guard: dropped, lines go straight to stderr again (unless a later
+/// bar holds them).
+pub struct HeldBar(u64);
+
+impl Drop for HeldBar {
+    fn drop(&mut self) {
+        let mut held = BAR.lock().unwrap_or_else(|e| e.into_inner());
+        if held.as_ref().is_some_and(|(t, _)| *t == self.0) {
+            *held = None;
+        }
+    }
+}
+
+/// `text` on stderr, around the progress bar when one is drawn; errors are ignored.
+fn to_terminal(text: &str) {
+    let bar = BAR
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .as_ref()
+        .map(|(_, bar)| bar.clone());
+    let write = || {
+        let _ = writeln!(std::io::stderr().lock(), "{text}");
+    };
+    match bar {
+        Some(bar) => bar.suspend(write),
+        None => write(),
+    }
+}
+
 /// A line on stderr (and in the log); errors writing it are ignored. Under `--quiet`
 /// only warnings and errors reach the terminal.
 pub fn line(text: &str) {
     if verbosity() > Verbosity::Quiet || is_alert(text) {
-        let _ = writeln!(std::io::stderr().lock(), "{text}");
+        to_terminal(text);
     }
     log(text);
 }
@@ -133,7 +177,7 @@ pub fn line(text: &str) {
 /// A detail: in the log always, on the terminal under `--verbose`.
 pub fn detail(text: &str) {
     if verbosity() == Verbosity::Verbose {
-        let _ = writeln!(std::io::stderr().lock(), "{text}");
+        to_terminal(text);
     }
     log(text);
 }
@@ -166,4 +210,81 @@ macro_rules! out {
     ($($arg:tt)*) => {
         $crate::console::out(&format!($($arg)*))
     };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use indicatif::{ProgressDrawTarget, TermLike};
+    use std::sync::Arc;
+
+    /// A terminal that records what is done to it.
+    #[derive(Debug, Clone, Default)]
+    struct Recorder(Arc<Mutex<Vec<String>>>);
+
+    impl Recorder {
+        fn take(&self) -> Vec<String> {
+            std::mem::take(&mut *self.0.lock().unwrap())
+        }
+        fn push(&self, event: String) -> std::io::Result<()> {
+            self.0.lock().unwrap().push(event);
+            Ok(())
+        }
+    }
+
+    impl TermLike for Recorder {
+        fn width(&self) -> u16 {
+            80
+        }
+        fn move_cursor_up(&self, n: usize) -> std::io::Result<()> {
+            self.push(format!("up {n}"))
+        }
+        fn move_cursor_down(&self, n: usize) -> std::io::Result<()> {
+            self.push(format!("down {n}"))
+        }
+        fn move_cursor_right(&self, n: usize) -> std::io::Result<()> {
+            self.push(format!("right {n}"))
+        }
+        fn move_cursor_left(&self, n: usize) -> std::io::Result<()> {
+            self.push(format!("left {n}"))
+        }
+        fn write_line(&self, s: &str) -> std::io::Result<()> {
+            self.push(format!("line {s}"))
+        }
+        fn write_str(&self, s: &str) -> std::io::Result<()> {
+            self.push(format!("str {s}"))
+        }
+        fn clear_line(&self) -> std::io::Result<()> {
+            self.push("clear".into())
+        }
+        fn flush(&self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn lines_written_while_a_bar_is_held_clear_it_and_draw_it_again() {
+        let _lock = crate::test_util::bar_lock();
+        let term = Recorder::default();
+        let target = ProgressDrawTarget::term_like(Box::new(term.clone()));
+        let bar = ProgressBar::with_draw_target(Some(10), target);
+        bar.set_position(3);
+        assert!(!term.take().is_empty(), "the bar was drawn");
+        to_terminal("a line with no bar held");
+        assert!(term.take().is_empty(), "a bar nobody holds is left alone");
+        let held = hold_bar(&bar);
+        to_terminal("a line while the bar is held");
+        let seen = term.take();
+        let cleared = seen.iter().position(|e| e == "clear");
+        let redrawn = seen
+            .iter()
+            .rposition(|e| e.contains("3/10") || e.starts_with("str"));
+        assert!(
+            matches!((cleared, redrawn), (Some(c), Some(r)) if c < r),
+            "the bar is cleared, then drawn again: {seen:?}"
+        );
+        drop(held);
+        let still = BAR.lock().unwrap().as_ref().map(|(t, _)| *t);
+        assert!(still.is_none(), "dropping the guard releases the bar");
+    }
 }

@@ -12,7 +12,9 @@ use std::time::{Duration, Instant};
 use indicatif::{ProgressBar, ProgressStyle};
 
 pub struct Progress {
+    /// The bar, and its hold on the terminal's lines (`console::hold_bar`).
     bar: Option<ProgressBar>,
+    held: Option<crate::console::HeldBar>,
     every: u64,
     epochs: u32,
     /// When the metrics were last read back for the bar.
@@ -28,6 +30,7 @@ impl Progress {
     pub fn new(every: u64, epochs: u32) -> Self {
         Progress {
             bar: None,
+            held: None,
             every,
             epochs,
             last_read: Cell::new(Instant::now()),
@@ -46,6 +49,7 @@ impl Progress {
                     .expect("static template is valid")
                     .progress_chars("=> "),
             );
+            self.held = Some(crate::console::hold_bar(&bar));
             self.bar = Some(bar);
         }
         self
@@ -118,7 +122,8 @@ impl Progress {
         }
     }
 
-    pub fn finish(&self) {
+    pub fn finish(&mut self) {
+        self.held = None;
         if let Some(bar) = &self.bar {
             bar.finish_and_clear();
         }
@@ -188,6 +193,7 @@ mod tests {
     fn progress(every: u64, bar: bool) -> Progress {
         Progress {
             bar: None,
+            held: None,
             every,
             epochs: 1,
             last_read: Cell::new(Instant::now()),
@@ -197,6 +203,7 @@ mod tests {
 
     #[test]
     fn the_bar_reads_metrics_every_second_and_plain_lines_every_n_steps() {
+        let _bar = crate::test_util::bar_lock();
         let (bar, plain) = (progress(100, true), progress(100, false));
         for p in [&bar, &plain] {
             assert!(!p.wants_stats(1));

@@ -364,8 +364,9 @@ pub fn run(plan: &Plan, trials: &[Trial]) -> std::io::Result<Vec<Outcome>> {
     queue.reverse();
     let total = queue.len();
     let bar = overall_bar(total);
-    // Lines go above the bar on a terminal, and plainly to stderr otherwise.
-    let say = |line: String| bar.suspend(|| crate::say!("{line}"));
+    // Every line, this thread's or another's, goes above the bar on a terminal.
+    let held = crate::console::hold_bar(&bar);
+    let say = |line: String| crate::say!("{line}");
     let mut running: Vec<Running> = Vec::new();
     let mut free: Vec<usize> = (0..plan.slots.len()).rev().collect();
     let mut last_status = Instant::now();
@@ -479,6 +480,7 @@ pub fn run(plan: &Plan, trials: &[Trial]) -> std::io::Result<Vec<Outcome>> {
             ));
         }
     }
+    drop(held);
     bar.finish_and_clear();
     Ok(outcomes
         .into_iter()
