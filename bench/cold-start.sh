@@ -22,10 +22,10 @@ cold() {
   [ "$(left)" -gt 60 ] || { log "$name skipped"; return; }
   (
     cd $W && rm -f compile.log autotune.log && touch compile.log autotune.log
-    tail -n0 -F compile.log 2> /dev/null | while IFS= read -r l; do echo "$(date +%s.%N) $l"; done > "$RES/$name-compile.ts" &
+    sh -c 'echo $$ > tail.pid; exec tail -n0 -F compile.log' 2> /dev/null | while IFS= read -r l; do echo "$(date +%s.%N) $l"; done > "$RES/$name-compile.ts" &
     KILN_CACHE_DIR=$cache CUDA_CACHE_PATH=$driver timeout "$(limit)" "$K" bench --json "$@" > "$RES/$name.json" 2> "$RES/$name.err"
     echo "exit $?" >> "$RES/$name.err"
-    sleep 1; pkill -f "tail -n0 -F compile.log"
+    sleep 1; kill "$(cat tail.pid)"
     cp autotune.log "$RES/$name-autotune.log"
   )
   log "$name: $(tail -n1 "$RES/$name.err"), $(grep -c . "$RES/$name-compile.ts") kernels compiled, first step $(python3 -c "import json;print(round(json.load(open('$RES/$name.json'))['first_step_s'],1))" 2> /dev/null) s"

@@ -149,16 +149,20 @@ impl Drop for HeldBar {
     }
 }
 
-/// `text` on stderr, around the progress bar when one is drawn; errors are ignored.
+/// `text` on stderr, around the progress bar when one is held; errors are ignored.
 fn to_terminal(text: &str) {
     let bar = BAR
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .as_ref()
         .map(|(_, bar)| bar.clone());
-    let write = || {
+    around(bar, || {
         let _ = writeln!(std::io::stderr().lock(), "{text}");
-    };
+    });
+}
+
+/// `write` with `bar` cleared from the terminal, drawn again after it.
+fn around(bar: Option<ProgressBar>, write: impl FnOnce()) {
     match bar {
         Some(bar) => bar.suspend(write),
         None => write(),
@@ -263,28 +267,32 @@ mod tests {
     }
 
     #[test]
-    fn lines_written_while_a_bar_is_held_clear_it_and_draw_it_again() {
-        let _lock = crate::test_util::bar_lock();
+    fn a_line_goes_out_between_clearing_the_bar_and_drawing_it_again() {
         let term = Recorder::default();
         let target = ProgressDrawTarget::term_like(Box::new(term.clone()));
         let bar = ProgressBar::with_draw_target(Some(10), target);
         bar.set_position(3);
         assert!(!term.take().is_empty(), "the bar was drawn");
-        to_terminal("a line with no bar held");
-        assert!(term.take().is_empty(), "a bar nobody holds is left alone");
-        let held = hold_bar(&bar);
-        to_terminal("a line while the bar is held");
+        around(None, || term.push("text".into()).unwrap());
+        assert_eq!(term.take(), ["text"], "no bar: the line alone");
+        around(Some(bar.clone()), || term.push("text".into()).unwrap());
         let seen = term.take();
-        let cleared = seen.iter().position(|e| e == "clear");
-        let redrawn = seen
-            .iter()
-            .rposition(|e| e.contains("3/10") || e.starts_with("str"));
+        let at = |p: &dyn Fn(&String) -> bool| seen.iter().position(p);
+        let (cleared, text) = (at(&|e| e == "clear"), at(&|e| e == "text"));
+        let redrawn = seen.iter().rposition(|e| e.contains("3/10"));
         assert!(
-            matches!((cleared, redrawn), (Some(c), Some(r)) if c < r),
-            "the bar is cleared, then drawn again: {seen:?}"
+            matches!((cleared, text, redrawn), (Some(c), Some(t), Some(r)) if c < t && t < r),
+            "cleared, the line, drawn again: {seen:?}"
         );
+    }
+
+    #[test]
+    fn a_held_bar_is_let_go_with_its_guard() {
+        let bar = ProgressBar::hidden();
+        let held = hold_bar(&bar);
+        let token = held.0;
         drop(held);
-        let still = BAR.lock().unwrap().as_ref().map(|(t, _)| *t);
-        assert!(still.is_none(), "dropping the guard releases the bar");
+        let now = BAR.lock().unwrap().as_ref().map(|(t, _)| *t);
+        assert_ne!(now, Some(token));
     }
 }

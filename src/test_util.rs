@@ -17,13 +17,6 @@ pub fn rng_lock() -> std::sync::MutexGuard<'static, ()> {
     LOCK.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// The terminal's one progress bar (`console::hold_bar`) is process-wide: tests that
-/// draw a bar hold this lock, so one test's bar does not take another's lines.
-pub fn bar_lock() -> std::sync::MutexGuard<'static, ()> {
-    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    LOCK.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 /// A fresh directory under the system temp dir, removed when dropped.
 ///
 /// (Not the `tempfile` crate: as a dev-dependency it turns on features of crates Burn

@@ -12,6 +12,7 @@
 
 use burn::nn::conv::Conv2d;
 use burn::nn::{Linear, PaddingConfig2d};
+use burn::tensor::module::linear;
 use burn::tensor::ops::ConvOptions;
 use burn::tensor::{FloatDType, Tensor};
 
@@ -90,13 +91,31 @@ pub fn conv<B: ConvBackend>(conv: &Conv2d<B>, x: Tensor<B, 4>, c: Compute) -> Te
     }
 }
 
-/// `fc.forward(x)` with the product in `precision`, computed as a 1x1 convolution of
-/// `[B, F, 1, 1]` through [`ConvBackend`]; the bias is added in `x`'s dtype. On CUDA
-/// that is cuDNN, which plans a shape in milliseconds: Burn's matmul autotunes each
-/// new shape by compiling about fifty candidate kernels, which was 60-100 s of a
-/// process's first step for this one small layer (BENCHMARKS.md, "Cold start"). The
-/// parameters stay `Linear`'s, so checkpoints and exports do not change.
+/// `fc.forward(x)` with the product in `precision`; the bias is added in `x`'s dtype.
+/// Where the backend runs convolutions on a library ([`ConvBackend::products_as_convolutions`]:
+/// cuDNN) the product is a 1x1 convolution ([`dense_as_convolution`]), since Burn's
+/// matmul autotuning compiled about fifty kernels per shape, 60-100 s of a cold first
+/// step for this one small layer (BENCHMARKS.md, "Cold start").
 pub fn dense<B: ConvBackend>(
+    fc: &Linear<B>,
+    x: Tensor<B, 2>,
+    precision: Precision,
+) -> Tensor<B, 2> {
+    if B::products_as_convolutions() {
+        return dense_as_convolution(fc, x, precision);
+    }
+    let Some(low) = compute_dtype(precision) else {
+        return fc.forward(x);
+    };
+    let dtype = x.dtype();
+    let y = linear(x.cast(low), fc.weight.val().cast(low), None).cast(dtype);
+    with_bias(fc, y)
+}
+
+/// `fc.forward(x)` as a 1x1 convolution of `[B, F, 1, 1]` through [`ConvBackend`], in
+/// `precision`. The parameters stay `Linear`'s, so checkpoints and exports do not
+/// depend on which way the product ran.
+pub fn dense_as_convolution<B: ConvBackend>(
     fc: &Linear<B>,
     x: Tensor<B, 2>,
     precision: Precision,
@@ -118,6 +137,10 @@ pub fn dense<B: ConvBackend>(
     )
     .reshape([n, classes])
     .cast(dtype);
+    with_bias(fc, y)
+}
+
+fn with_bias<B: ConvBackend>(fc: &Linear<B>, y: Tensor<B, 2>) -> Tensor<B, 2> {
     match &fc.bias {
         Some(b) => y + b.val().unsqueeze(),
         None => y,
@@ -176,7 +199,7 @@ mod tests {
             Tensor::<TestBackend, 2>::random([4, 3], Distribution::Normal(0.0, 1.0), &device());
         let run = |ours: bool| {
             let y = if ours {
-                dense(&fc, x.clone(), Precision::Fp32)
+                dense_as_convolution(&fc, x.clone(), Precision::Fp32)
             } else {
                 fc.forward(x.clone())
             };

@@ -19,6 +19,14 @@ use super::Layout;
 /// each) and its two gradients, with every tensor in `layout`. The defaults are Burn's
 /// own kernels ([`burn_conv2d`]).
 pub trait ConvBackend: Backend {
+    /// Whether a matrix product is better run as a 1x1 convolution here
+    /// (`model::precision::dense`): where the convolutions are a library's (cuDNN),
+    /// which plans a shape without compiling kernels. Burn's own kernels take the
+    /// product as it is.
+    fn products_as_convolutions() -> bool {
+        false
+    }
+
     fn conv2d_nobias(
         x: FloatTensor<Self>,
         weight: FloatTensor<Self>,
@@ -101,6 +109,10 @@ pub fn conv2d<B: ConvBackend>(
 /// The backward pass routes both gradients through the inner backend's
 /// [`ConvBackend`], so its kernels serve training, not only inference.
 impl<B: ConvBackend, C: CheckpointStrategy> ConvBackend for Autodiff<B, C> {
+    fn products_as_convolutions() -> bool {
+        B::products_as_convolutions()
+    }
+
     fn conv2d_nobias(
         x: FloatTensor<Self>,
         weight: FloatTensor<Self>,

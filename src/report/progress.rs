@@ -2,7 +2,7 @@
 //! stderr is not one (logs, CI), and a ticker that shows a slow first CUDA step is
 //! compiling kernels rather than hung.
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -14,7 +14,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 pub struct Progress {
     /// The bar, and its hold on the terminal's lines (`console::hold_bar`).
     bar: Option<ProgressBar>,
-    held: Option<crate::console::HeldBar>,
+    held: RefCell<Option<crate::console::HeldBar>>,
     every: u64,
     epochs: u32,
     /// When the metrics were last read back for the bar.
@@ -30,7 +30,7 @@ impl Progress {
     pub fn new(every: u64, epochs: u32) -> Self {
         Progress {
             bar: None,
-            held: None,
+            held: RefCell::new(None),
             every,
             epochs,
             last_read: Cell::new(Instant::now()),
@@ -49,7 +49,6 @@ impl Progress {
                     .expect("static template is valid")
                     .progress_chars("=> "),
             );
-            self.held = Some(crate::console::hold_bar(&bar));
             self.bar = Some(bar);
         }
         self
@@ -57,6 +56,12 @@ impl Progress {
 
     pub fn start_epoch(&self, epoch: u32, batches: u64, done: u64) {
         if let Some(bar) = &self.bar {
+            // From the first epoch on, every line goes out around the bar; before it
+            // there is no bar to draw.
+            let mut held = self.held.borrow_mut();
+            if held.is_none() {
+                *held = Some(crate::console::hold_bar(bar));
+            }
             bar.reset();
             bar.set_length(batches);
             bar.set_position(done);
@@ -122,8 +127,8 @@ impl Progress {
         }
     }
 
-    pub fn finish(&mut self) {
-        self.held = None;
+    pub fn finish(&self) {
+        self.held.take();
         if let Some(bar) = &self.bar {
             bar.finish_and_clear();
         }
@@ -193,7 +198,7 @@ mod tests {
     fn progress(every: u64, bar: bool) -> Progress {
         Progress {
             bar: None,
-            held: None,
+            held: RefCell::new(None),
             every,
             epochs: 1,
             last_read: Cell::new(Instant::now()),
@@ -203,7 +208,6 @@ mod tests {
 
     #[test]
     fn the_bar_reads_metrics_every_second_and_plain_lines_every_n_steps() {
-        let _bar = crate::test_util::bar_lock();
         let (bar, plain) = (progress(100, true), progress(100, false));
         for p in [&bar, &plain] {
             assert!(!p.wants_stats(1));

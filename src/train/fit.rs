@@ -132,7 +132,7 @@ pub fn fit<B: TrainBackend>(
     } else {
         u64::MAX
     };
-    let mut progress = Progress::new(log_every, cfg.train.epochs);
+    let progress = Progress::new(log_every, cfg.train.epochs);
     let warn = |w: String| progress.println(&format!("kiln: warning: {w}"));
 
     let (mut model, mut optim) = (built.model, built.optim);

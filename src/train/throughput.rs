@@ -56,7 +56,9 @@ pub struct Breakdown {
     /// Sum of the phases: above `step_ms` by what synchronising between phases costs.
     pub total_ms: f64,
     /// The pool's bytes in use at the end of the forward pass, when every activation the
-    /// backward pass needs is alive (the step's peak), in MiB; the most over the steps.
+    /// backward pass needs is alive, in MiB; the most over the steps. A lower bound of
+    /// the step's peak: gradients and cuDNN workspaces come on top during the backward
+    /// pass.
     pub pool_in_use_after_forward_mib: Option<u64>,
 }
 

@@ -85,6 +85,10 @@ fn register_conv<B: FusionBackend + ConvBackend>(
 }
 
 impl<B: FusionBackend + ConvBackend> ConvBackend for Fusion<B> {
+    fn products_as_convolutions() -> bool {
+        B::products_as_convolutions()
+    }
+
     fn conv2d_nobias(
         x: FloatTensor<Self>,
         weight: FloatTensor<Self>,

@@ -243,6 +243,13 @@ pub(super) fn warn_once<T>(
 impl<F: FloatElement, I: IntElement, BT: BoolElement> ConvBackend
     for CubeBackend<CudaRuntime, F, I, BT>
 {
+    /// Burn's matmul autotunes each new shape by compiling about fifty candidate
+    /// kernels (60-100 s of a cold first step for a classifier's three products);
+    /// cuDNN compiles none.
+    fn products_as_convolutions() -> bool {
+        routed()
+    }
+
     fn conv2d_nobias(
         x: FloatTensor<Self>,
         weight: FloatTensor<Self>,
@@ -370,6 +377,10 @@ mod tests {
         use burn::tensor::TensorData;
         super::super::probe(0).expect("cuDNN should load on this machine");
         set_convolutions(true);
+        assert!(
+            B::products_as_convolutions(),
+            "routed to cuDNN, dense takes the convolution"
+        );
         let dev = CudaDevice::new(0);
         let (n, f, c) = (6, 40, 10);
         let xs: Vec<f32> = (0..n * f)
