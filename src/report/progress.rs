@@ -117,16 +117,6 @@ impl Progress {
         due
     }
 
-    pub fn println(&self, line: &str) {
-        match &self.bar {
-            Some(bar) => {
-                bar.println(line);
-                crate::console::log(line);
-            }
-            None => crate::say!("{line}"),
-        }
-    }
-
     pub fn finish(&self) {
         self.held.take();
         if let Some(bar) = &self.bar {

@@ -366,7 +366,6 @@ pub fn run(plan: &Plan, trials: &[Trial]) -> std::io::Result<Vec<Outcome>> {
     let bar = overall_bar(total);
     // Every line, this thread's or another's, goes above the bar on a terminal.
     let held = crate::console::hold_bar(&bar);
-    let say = |line: String| crate::say!("{line}");
     let mut running: Vec<Running> = Vec::new();
     let mut free: Vec<usize> = (0..plan.slots.len()).rev().collect();
     let mut last_status = Instant::now();
@@ -379,12 +378,12 @@ pub fn run(plan: &Plan, trials: &[Trial]) -> std::io::Result<Vec<Outcome>> {
             let slot = free.pop().expect("checked non-empty");
             let trial = queue.pop().expect("checked non-empty").clone();
             let child = start(plan, &trial, &plan.slots[slot])?;
-            say(format!(
+            crate::say!(
                 "kiln sweep: trial {} on {}: {}",
                 trial.index,
                 plan.slots[slot].label,
                 trial.label()
-            ));
+            );
             running.push(Running {
                 slot,
                 reported: reported[trial.index],
@@ -416,7 +415,7 @@ pub fn run(plan: &Plan, trials: &[Trial]) -> std::io::Result<Vec<Outcome>> {
                 let (last, stop) = a.report(r.trial.index, &run, r.reported);
                 r.reported = last;
                 if let Some(why) = stop {
-                    say(why.clone());
+                    crate::say!("{why}");
                     // Recorded first: a sweep interrupted now still knows on resume.
                     let _ = std::fs::write(dir.join(ASHA_STOP), format!("{why}\n"));
                     // The trial's supervisor passes it on; the trial checkpoints and ends.
@@ -455,7 +454,10 @@ pub fn run(plan: &Plan, trials: &[Trial]) -> std::io::Result<Vec<Outcome>> {
                     outcome.status = STOPPED_BY_ASHA.into();
                 }
             }
-            say(ended_line(&outcome, metric, &format!(" [{ended}/{total}]")));
+            crate::say!(
+                "{}",
+                ended_line(&outcome, metric, &format!(" [{ended}/{total}]"))
+            );
             outcomes[r.trial.index] = Some(outcome);
         }
         if last_status.elapsed() > Duration::from_secs(30) && !running.is_empty() {
@@ -463,7 +465,7 @@ pub fn run(plan: &Plan, trials: &[Trial]) -> std::io::Result<Vec<Outcome>> {
             for r in &running {
                 let dir = trial_dir(plan.sweep_dir, r.trial.index);
                 let p = run_dir(&dir).and_then(|d| progress(&d));
-                say(format!(
+                crate::say!(
                     "kiln sweep:   trial {} on {}: {:.0} s{}",
                     r.trial.index,
                     plan.slots[r.slot].label,
@@ -471,13 +473,13 @@ pub fn run(plan: &Plan, trials: &[Trial]) -> std::io::Result<Vec<Outcome>> {
                     p.map_or(String::new(), |(e, acc)| format!(
                         ", epoch {e} done, test acc {acc}"
                     ))
-                ));
+                );
             }
-            say(format!(
+            crate::say!(
                 "kiln sweep: {ended}/{total} trials done, {} running, {} waiting",
                 running.len(),
                 queue.len()
-            ));
+            );
         }
     }
     drop(held);

@@ -133,12 +133,12 @@ pub fn fit<B: TrainBackend>(
         u64::MAX
     };
     let progress = Progress::new(log_every, cfg.train.epochs);
-    let warn = |w: String| progress.println(&format!("kiln: warning: {w}"));
+    let warn = |w: String| crate::say!("kiln: warning: {w}");
 
     let (mut model, mut optim) = (built.model, built.optim);
     if resume {
         (state, model, optim) =
-            checkpointer.restore(state, model, optim, &device, &mut |n| progress.println(&n))?;
+            checkpointer.restore(state, model, optim, &device, &mut |n| crate::say!("{n}"))?;
     }
     state.input = Some(dataset.input());
     let mut board = Board::open(
@@ -181,7 +181,7 @@ pub fn fit<B: TrainBackend>(
         }
         if let Some(why) = early_stop.reason(&state.history) {
             if lead {
-                progress.println(&format!("kiln: {why}"));
+                crate::say!("kiln: {why}");
             }
             outcome = Outcome::EarlyStopped;
             ended = Some(why);
@@ -220,7 +220,7 @@ pub fn fit<B: TrainBackend>(
             state.batch_in_epoch += 1;
             if let Some(secs) = first.after::<B>(&device) {
                 state.first_step_s.push(secs);
-                progress.println(&format!("kiln: first step took {secs:.1} s"));
+                crate::say!("kiln: first step took {secs:.1} s");
                 let timeout = cfg.watchdog.hang_timeout_s;
                 learner.strategy().first_step_done(timeout);
                 window = (Instant::now(), 0);
@@ -264,9 +264,9 @@ pub fn fit<B: TrainBackend>(
         let last = span.epoch + 1 == cfg.train.epochs || state.step >= max_steps;
         let record = span.end(state.step, last, &mut learner, &evaluator, &device)?;
         if lead {
-            progress.println(&epoch_line(&record, cfg.train.epochs));
+            crate::say!("{}", epoch_line(&record, cfg.train.epochs));
         }
-        let devices = announce_load(&mut learner, &mut usage, &names, &progress);
+        let devices = announce_load(&mut learner, &mut usage, &names);
         board.epoch(&record, &devices, &warn);
         let measured = (!record.test_acc.is_nan()).then_some(record.test_acc);
         state.history.push(record);
@@ -410,19 +410,18 @@ fn announce_load<B: TrainBackend>(
     learner: &mut Learner<B>,
     usage: &mut UsageSampler,
     names: &[String],
-    progress: &Progress,
 ) -> Vec<DeviceUsage> {
     let load = learner.strategy().take_load();
     if !load.is_empty() {
         let (line, warning) = report::balance_report(&load);
-        progress.println(&format!("kiln: balance: {line}"));
+        crate::say!("kiln: balance: {line}");
         if let Some(w) = warning {
-            progress.println(&format!("kiln: warning: {w}"));
+            crate::say!("kiln: warning: {w}");
         }
     }
     let (line, per_device) = usage.take(names);
     if let Some(line) = line {
-        progress.println(&format!("kiln: gpus: {line}"));
+        crate::say!("kiln: gpus: {line}");
     }
     per_device
 }
