@@ -83,11 +83,14 @@ impl Default for KernelsConfig {
             convolution: Convolution::Auto,
             batch_norm: BatchNormKernels::Auto,
             channels_last: false,
-            conv_workspace_mib: 1024,
+            conv_workspace_mib: DEFAULT_CONV_WORKSPACE_MIB,
             gradient_checkpointing: false,
         }
     }
 }
+
+/// `conv_workspace_mib`'s default: room for cuDNN's fastest plans.
+pub const DEFAULT_CONV_WORKSPACE_MIB: u32 = 1024;
 
 /// Far above any plan measured (the ResNets' largest asked for 104 MiB); a larger
 /// figure is more likely a typo than a wish.

@@ -115,7 +115,7 @@ pub fn dense<B: ConvBackend>(
 /// `fc.forward(x)` as a 1x1 convolution of `[B, F, 1, 1]` through [`ConvBackend`], in
 /// `precision`. The parameters stay `Linear`'s, so checkpoints and exports do not
 /// depend on which way the product ran.
-pub fn dense_as_convolution<B: ConvBackend>(
+fn dense_as_convolution<B: ConvBackend>(
     fc: &Linear<B>,
     x: Tensor<B, 2>,
     precision: Precision,

@@ -118,6 +118,17 @@ fn train(out: &Path, sets: &[&str]) -> Output {
     Output::of(&mut cmd)
 }
 
+/// `kiln sweep --config FILE --output OUT`.
+fn run_sweep(file: &Path, out: &Path) -> Output {
+    Output::of(
+        kiln()
+            .args(["sweep", "--config"])
+            .arg(file)
+            .arg("--output")
+            .arg(out),
+    )
+}
+
 fn metrics(run: &Path) -> Vec<Vec<String>> {
     std::fs::read_to_string(run.join("metrics.csv"))
         .unwrap()
@@ -647,13 +658,7 @@ fn a_sweep_runs_every_trial_records_a_failing_one_and_resumes() {
     )
     .unwrap();
     let out = dir.join("sweeps");
-    let o = Output::of(
-        kiln()
-            .args(["sweep", "--config"])
-            .arg(&file)
-            .arg("--output")
-            .arg(&out),
-    );
+    let o = run_sweep(&file, &out);
     o.code(1)
         .stderr_has("4 trials")
         .stderr_has("trial 3 failed (exit 2)")
@@ -684,15 +689,9 @@ fn a_sweep_runs_every_trial_records_a_failing_one_and_resumes() {
         format!("base = {DEBUG_TOML:?}\n[grid]\n\"optim.lrr\" = [0.1]\n"),
     )
     .unwrap();
-    Output::of(
-        kiln()
-            .args(["sweep", "--config"])
-            .arg(&file)
-            .arg("--output")
-            .arg(dir.join("none")),
-    )
-    .code(2)
-    .stderr_has("did you mean `optim.lr`");
+    run_sweep(&file, &dir.join("none"))
+        .code(2)
+        .stderr_has("did you mean `optim.lr`");
     assert!(!dir.join("none").exists());
 }
 
@@ -743,13 +742,7 @@ fn an_asha_sweep_finds_the_grids_best_trial_training_fewer_epochs() {
         let file = dir.join(format!("{name}.toml"));
         std::fs::write(&file, body).unwrap();
         let out = dir.join(name);
-        let o = Output::of(
-            kiln()
-                .args(["sweep", "--config"])
-                .arg(&file)
-                .arg("--output")
-                .arg(&out),
-        );
+        let o = run_sweep(&file, &out);
         o.success();
         let line = o
             .stdout

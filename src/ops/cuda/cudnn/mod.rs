@@ -48,7 +48,8 @@ use legacy::{data_type, tensor_format, write_scaling};
 
 type Tensor = CubeTensor<CudaRuntime>;
 
-static WORKSPACE_LIMIT: AtomicUsize = AtomicUsize::new(1 << 30);
+static WORKSPACE_LIMIT: AtomicUsize =
+    AtomicUsize::new((crate::config::DEFAULT_CONV_WORKSPACE_MIB as usize) << 20);
 
 /// The most workspace one convolution gets (`kernels.conv_workspace_mib`); a plan that
 /// asks for more is passed over for cuDNN's next proposal. Set once, before training.
