@@ -133,6 +133,7 @@ pub fn kernel_settings(
         cudnn_batch_norm,
         channels_last_norm,
         conv_workspace: config.kernels.conv_workspace_mib as usize * (1 << 20),
+        exact_pool: config.kernels.memory_pool == crate::config::MemoryPool::Exact,
         // Applied by the CUDA backend only; the CPU uploads nothing.
         pinned_uploads: config.data.pin_memory,
     })

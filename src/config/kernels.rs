@@ -50,6 +50,20 @@ pub enum BatchNormKernels {
     Burn,
 }
 
+/// How cubecl's pool hands out device memory (CUDA only).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MemoryPool {
+    /// A buffer of each size asked for, kept and handed out again for the same size:
+    /// a training step asks for the same sizes every time, so the pool holds about
+    /// what the step uses at its peak.
+    Exact,
+    /// cubecl's default: slices of pages in fixed size classes (on an H200 any buffer
+    /// of 70-562 MiB opens a 2.19 GiB page), which serve any size; for work whose
+    /// shapes keep changing.
+    Pages,
+}
+
 /// `[kernels]`: kernel choices on CUDA; the CPU runs Burn's kernels whatever is set.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -66,11 +80,12 @@ pub struct KernelsConfig {
     /// norm on kiln's or cuDNN's kernels, and the run stops before training without them.
     pub channels_last: bool,
     /// The most device memory one cuDNN convolution may use as scratch space, in MiB;
-    /// cuDNN's fastest proposal that fits is taken. On an H200 a workspace over 70 MiB
-    /// lands in cubecl's next size class of memory pages (2.19 GiB each), which the pool
-    /// keeps for the rest of the run: 64 halves ResNet-18's fp32 pool and doubles its
-    /// step (BENCHMARKS.md, "Memory"), so the default leaves cuDNN its fastest plans.
+    /// cuDNN's fastest proposal that fits is taken. The calls share one workspace, as
+    /// large as the largest plan's (ResNet-50's: 104 MiB), so the default leaves cuDNN
+    /// its fastest plans; a smaller bound slows steps (BENCHMARKS.md, "Memory").
     pub conv_workspace_mib: u32,
+    /// How device memory is pooled on CUDA: `exact` or `pages`.
+    pub memory_pool: MemoryPool,
     /// Recompute memory-bound activations in the backward pass instead of keeping them
     /// (Burn's balanced checkpointing).
     pub gradient_checkpointing: bool,
@@ -84,6 +99,7 @@ impl Default for KernelsConfig {
             batch_norm: BatchNormKernels::Auto,
             channels_last: false,
             conv_workspace_mib: DEFAULT_CONV_WORKSPACE_MIB,
+            memory_pool: MemoryPool::Exact,
             gradient_checkpointing: false,
         }
     }

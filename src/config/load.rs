@@ -351,6 +351,22 @@ mod tests {
     }
 
     #[test]
+    fn the_memory_pool_is_exact_unless_pages_are_asked_for() {
+        use crate::config::MemoryPool;
+        let c = load_str("", "t.toml", &[]).unwrap();
+        assert_eq!(c.kernels.memory_pool, MemoryPool::Exact);
+        let c = load_str("", "t.toml", &sets(&["kernels.memory_pool=pages"])).unwrap();
+        assert_eq!(c.kernels.memory_pool, MemoryPool::Pages);
+        let msg = load_str("", "t.toml", &sets(&["kernels.memory_pool=paged"]))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            msg.contains("memory_pool") && msg.contains("exact") && msg.contains("pages"),
+            "{msg}"
+        );
+    }
+
+    #[test]
     fn range_error_names_key_value_and_allowed() {
         let msg = load_str(
             "",

@@ -1,12 +1,11 @@
 //! Residual blocks: the basic two-3x3 block (ResNet-18/34 and the CIFAR ResNets) and
 //! the 1x1-3x3-1x1 bottleneck (ResNet-50, stride on the 3x3 as torchvision's v1.5).
 
-use crate::ops::{ModelBackend, batch_norm};
+use crate::ops::{ModelBackend, batch_norm, relu};
 use burn::module::Module;
 use burn::nn::conv::{Conv2d, Conv2dConfig};
 use burn::nn::{BatchNorm, BatchNormConfig, Initializer, PaddingConfig2d};
 use burn::tensor::Tensor;
-use burn::tensor::activation::relu;
 use burn::tensor::backend::Backend;
 
 use super::precision::{self, Compute};

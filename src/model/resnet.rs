@@ -1,12 +1,11 @@
 //! The ResNet network: stem, residual stages, global average pool, classifier.
 
-use crate::ops::{ModelBackend, batch_norm};
+use crate::ops::{ModelBackend, batch_norm, relu};
 use burn::module::Module;
 use burn::nn::conv::Conv2d;
 use burn::nn::pool::{AdaptiveAvgPool2d, AdaptiveAvgPool2dConfig, MaxPool2d, MaxPool2dConfig};
 use burn::nn::{BatchNorm, Linear, LinearConfig, PaddingConfig2d};
 use burn::tensor::Tensor;
-use burn::tensor::activation::relu;
 use burn::tensor::backend::Backend;
 
 use super::block::{Basic, Block, Bottleneck, bn, conv};

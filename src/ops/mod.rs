@@ -4,6 +4,7 @@
 //! only for CUDA (cuDNN, kiln's kernels, streams, page-locked uploads, NCCL, the fusion
 //! glue) is under `cuda/`, whose `mod.rs` is its one entry point.
 
+mod activation;
 mod collective;
 mod conv;
 #[cfg(feature = "cuda")]
@@ -14,6 +15,7 @@ pub mod sgd;
 mod upload;
 mod waits;
 
+pub use activation::{ActivationBackend, relu};
 pub use collective::{CollectiveBackend, Comm};
 pub use conv::{ConvBackend, conv2d};
 pub use layout::Layout;
@@ -30,14 +32,15 @@ pub use upload::{UploadBackend, upload_f32};
 pub use waits::{KilnWaits, LibraryCall, kiln_waits};
 
 /// What kiln's models and steps call on a backend: its convolution, its BatchNorm, its
-/// upload of a batch, its optimizer step and its collectives.
+/// ReLU, its upload of a batch, its optimizer step and its collectives.
 pub trait ModelBackend:
-    ConvBackend + NormBackend + UploadBackend + SgdBackend + CollectiveBackend
+    ConvBackend + NormBackend + ActivationBackend + UploadBackend + SgdBackend + CollectiveBackend
 {
 }
 
-impl<B: ConvBackend + NormBackend + UploadBackend + SgdBackend + CollectiveBackend> ModelBackend
-    for B
+impl<
+    B: ConvBackend + NormBackend + ActivationBackend + UploadBackend + SgdBackend + CollectiveBackend,
+> ModelBackend for B
 {
 }
 

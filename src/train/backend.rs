@@ -38,6 +38,10 @@ pub struct KernelSettings {
     /// The most scratch memory one cuDNN convolution may take, in bytes.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub conv_workspace: usize,
+    /// Whether device memory comes from cubecl's exact-size pool
+    /// (`kernels.memory_pool = "exact"`) instead of its pages.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub exact_pool: bool,
     /// Whether batches are uploaded from page-locked memory (`data.pin_memory`).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub pinned_uploads: bool,
@@ -114,6 +118,7 @@ mod cuda {
     use burn::backend::cuda::{Cuda, CudaDevice};
     use burn::cubecl::config::autotune::AutotuneLevel;
     use burn::cubecl::config::cache::CacheConfig;
+    use burn::cubecl::config::memory::PersistentMemory;
     use burn::cubecl::config::{CubeClRuntimeConfig, RuntimeConfig};
 
     use super::{BackendJob, KernelSettings};
@@ -131,8 +136,10 @@ mod cuda {
 
     /// Points cubecl's compiled-kernel and autotune caches at `dir` before the first
     /// device call. (Compiled kernels are not cached at all by default, so every run
-    /// would pay minutes of NVRTC compilation again.) A user's `cubecl.toml` and
-    /// `CUBECL_*` variables still apply to everything else.
+    /// would pay minutes of NVRTC compilation again.) `kernels.memory_pool = "exact"`
+    /// makes every allocation cubecl's persistent kind, one buffer per size, reused
+    /// for that size. A user's `cubecl.toml` and `CUBECL_*` variables still apply to
+    /// everything else.
     fn configure(kernels: &KernelSettings) {
         static ONCE: Once = Once::new();
         ONCE.call_once(|| {
@@ -141,6 +148,9 @@ mod cuda {
             let mut cfg = CubeClRuntimeConfig::from_current_dir().override_from_env();
             cfg.compilation.cache = Some(CacheConfig::File(dir.to_path_buf()));
             cfg.autotune.cache = CacheConfig::File(dir.to_path_buf());
+            if kernels.exact_pool {
+                cfg.memory.persistent_memory = PersistentMemory::Enforced;
+            }
             cfg.autotune.level = match kernels.autotune {
                 Autotune::Fast => AutotuneLevel::Minimal,
                 Autotune::Balanced => AutotuneLevel::Balanced,

@@ -16,8 +16,8 @@ use burn_ir::{
 
 use crate::ops::sgd::{SgdBackend, SgdStep, Stepped};
 use crate::ops::{
-    CollectiveBackend, Comm, ConvBackend, ConvPass, Layout, NormBackend, UploadBackend,
-    conv2d_output_dims,
+    ActivationBackend, CollectiveBackend, Comm, ConvBackend, ConvPass, Layout, NormBackend,
+    UploadBackend, conv2d_output_dims,
 };
 
 #[derive(Debug)]
@@ -202,6 +202,10 @@ fn register_norm<B: FusionBackend + NormBackend>(
     })
     .outputs()
 }
+
+/// Burn's ReLU, which fusion joins to the element-wise work around it; what kiln
+/// changes is only which tensor autodiff keeps (`ops::activation`).
+impl<B: FusionBackend> ActivationBackend for Fusion<B> {}
 
 impl<B: FusionBackend + NormBackend> NormBackend for Fusion<B> {
     fn batch_norm_train(

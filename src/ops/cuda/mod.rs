@@ -52,8 +52,8 @@ pub fn configure(routing: Routing) {
 
 /// cubecl's device memory pool of the calling thread's stream on GPU `ordinal`, in
 /// bytes: `(handed out to tensors, reserved from the driver)`. cubecl keeps one pool per
-/// stream and never returns a page, so what is reserved at the end is the peak (what
-/// PyTorch calls `max_memory_reserved`).
+/// stream and returns nothing to the driver unless asked, which kiln never does, so
+/// what is reserved at the end is the peak (what PyTorch calls `max_memory_reserved`).
 pub fn pool_usage(ordinal: usize) -> Option<(u64, u64)> {
     use burn::backend::cuda::CudaDevice;
     use burn::cubecl::Runtime;

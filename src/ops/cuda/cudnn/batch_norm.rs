@@ -281,11 +281,6 @@ fn norm_outputs(
     ]
 }
 
-/// A workspace of `bytes` for one call, none where cuDNN needs none.
-fn workspace(client: &Client, bytes: usize) -> Option<Handle> {
-    (bytes > 0).then(|| client.empty(bytes))
-}
-
 /// [`NormBackend::batch_norm_train`] through cuDNN.
 fn norm_train(
     x: &Tensor,
@@ -472,7 +467,7 @@ fn queue_norm(
                 Pass::Train => ex.forward,
                 Pass::Grad => ex.backward,
             });
-            let workspace = bytes.and_then(|b| workspace(&client, b));
+            let workspace = bytes.and_then(|b| dnn.workspace(&client, b));
             let buffers = inputs
                 .iter()
                 .chain(&outputs)

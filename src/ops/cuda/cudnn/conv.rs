@@ -130,7 +130,7 @@ pub(super) fn run(
         move |dnn: &mut Dnn, lane: &mut Lane, h: sys::cudnnHandle_t| {
             let conv = dnn.conv(&key, h)?;
             let ws = conv.workspace();
-            let workspace = (ws > 0).then(|| client.empty(ws));
+            let workspace = dnn.workspace(&client, ws);
             let buffers = [
                 x.as_ref(),
                 w.as_ref(),

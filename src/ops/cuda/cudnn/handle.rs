@@ -9,6 +9,7 @@ use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use burn::cubecl::cuda::CudaDevice;
+use burn::cubecl::server::Handle;
 use cudarc::cudnn::{result as dnn, sys};
 use cudarc::driver::sys as dsys;
 
@@ -30,6 +31,10 @@ pub(super) struct Dnn {
     pub(super) convs: HashMap<ConvKey, Result<Rc<Conv>, String>>,
     /// Each batch-norm input's descriptors.
     pub(super) norms: HashMap<NormKey, Rc<NormDescriptors>>,
+    /// One workspace per stream, as large as the largest call on it has asked for.
+    /// Calls on one stream run one after the other, so they can share it; a fresh
+    /// buffer per call left the memory pool holding one of each size ever asked.
+    workspaces: HashMap<dsys::CUstream, Handle>,
 }
 
 thread_local! {
@@ -52,6 +57,7 @@ pub(super) fn with_dnn<T>(
             handle: None,
             convs: HashMap::new(),
             norms: HashMap::new(),
+            workspaces: HashMap::new(),
         });
         f(dnn)
     })
@@ -147,6 +153,23 @@ impl Dnn {
             .map_err(|e| format!("cudnnSetStream: {e:?}"))?;
         self.handle = Some((handle, stream));
         Ok(handle)
+    }
+
+    /// A workspace of at least `bytes` for a call queued on the handle's stream, or
+    /// none for none. A larger request replaces the stream's buffer; the old one goes
+    /// back to the pool once the calls queued with it are ordered (`Lane::queue`).
+    pub(super) fn workspace(&mut self, client: &Client, bytes: usize) -> Option<Handle> {
+        let (_, stream) = self.handle?;
+        if bytes == 0 {
+            return None;
+        }
+        let current = self.workspaces.get(&stream);
+        if let Some(ws) = current.filter(|ws| ws.size() as usize >= bytes) {
+            return Some(ws.clone());
+        }
+        let ws = client.empty(bytes);
+        self.workspaces.insert(stream, ws.clone());
+        Some(ws)
     }
 
     /// The plan of the convolution `key` describes (the graph API's, else the legacy
