@@ -129,7 +129,7 @@ mod tests {
     }
 
     #[test]
-    fn relu_matches_burns_relu_with_activation_recomputation() {
+    fn under_activation_recomputation_burns_relu_runs_and_agrees() {
         agrees_with_burn::<Autodiff<Flex, BalancedCheckpointing>>();
     }
 

@@ -33,7 +33,8 @@ pub(super) struct Dnn {
     pub(super) norms: HashMap<NormKey, Rc<NormDescriptors>>,
     /// One workspace per stream, as large as the largest call on it has asked for.
     /// Calls on one stream run one after the other, so they can share it; a fresh
-    /// buffer per call left the memory pool holding one of each size ever asked.
+    /// buffer per call left the memory pool holding one of each size ever asked (now
+    /// only those it grew through on the first step).
     workspaces: HashMap<dsys::CUstream, Handle>,
 }
 
