@@ -54,9 +54,9 @@ pub enum BatchNormKernels {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum MemoryPool {
-    /// A buffer of each size asked for, kept and handed out again for the same size:
-    /// a training step asks for the same sizes every time, so the pool holds about
-    /// what the step uses at its peak.
+    /// Buffers kept per size and handed out again only for that size, never freed: a
+    /// training step asks for the same sizes every time, so the pool holds about what
+    /// the step uses at its peak; a size that comes once keeps its buffers too.
     Exact,
     /// cubecl's default: slices of pages in fixed size classes (on an H200 any buffer
     /// of 70-562 MiB opens a 2.19 GiB page), which serve any size; for work whose

@@ -57,8 +57,7 @@ pub struct Breakdown {
     pub total_ms: f64,
     /// The pool's bytes in use at the end of the forward pass, when every activation the
     /// backward pass needs is alive, in MiB; the most over the steps. A lower bound of
-    /// the step's peak: gradients and cuDNN workspaces come on top during the backward
-    /// pass.
+    /// the step's peak: gradients come on top during the backward pass.
     pub pool_in_use_after_forward_mib: Option<u64>,
 }
 
@@ -121,7 +120,7 @@ pub struct BenchReport {
     /// With a gradient exchange: what it costs on synchronised steps.
     pub exchange: Option<Exchanged>,
     /// What the main thread's memory pool on the first device reserved from the driver
-    /// by the end, in MiB (its peak: pages are never returned); CUDA only.
+    /// by the end, in MiB (its peak: the pool returns nothing to the driver); CUDA only.
     pub pool_reserved_mib: Option<u64>,
 }
 
