@@ -177,6 +177,12 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
                 .map(|m| format!(", {m} MiB of it in use after the forward pass"))
                 .unwrap_or_default();
             crate::out!("  memory pool       {mib} MiB reserved{peak}");
+            if let Some(beside) = report.beside_pool_mib.filter(|&m| m > 0) {
+                crate::out!(
+                    "  cuDNN workspace   {beside} MiB beside the pool: {} MiB in all",
+                    mib + beside
+                );
+            }
         }
         if let Some(mib) = memory {
             crate::out!("  device memory in use at the end: {mib} MiB (all processes)");

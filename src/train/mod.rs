@@ -39,4 +39,4 @@ pub use fit::{Outcome, TrainJob};
 pub use precompile::WarmupJob;
 pub use predict::{PredictJob, top_k};
 pub use strategy::ReplicaError;
-pub use throughput::{BenchJob, PoolProbe};
+pub use throughput::{BenchJob, PoolProbe, PoolUsage};

@@ -35,12 +35,23 @@ pub struct BenchJob {
     pub warmup: usize,
     /// Steps timed phase by phase.
     pub breakdown_steps: usize,
-    /// The device's memory pool, `(in use, reserved)` bytes, where the backend has one.
+    /// The device's memory pool, where the backend has one.
     pub pool: Option<PoolProbe>,
 }
 
-/// Reads a device's memory pool: `(bytes in use, bytes reserved)`.
-pub type PoolProbe = Box<dyn Fn() -> Option<(u64, u64)>>;
+/// Reads a device's memory pool.
+pub type PoolProbe = Box<dyn Fn() -> Option<PoolUsage>>;
+
+/// A device's memory as the backend holds it, in bytes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PoolUsage {
+    /// Handed out to tensors.
+    pub in_use: u64,
+    /// Reserved from the driver by the pool.
+    pub reserved: u64,
+    /// The most held at once outside the pool (cuDNN's workspace).
+    pub beside_peak: u64,
+}
 
 /// Milliseconds per step, phase by phase, each ended by a device synchronisation.
 #[derive(Debug, Clone, Serialize)]
@@ -122,6 +133,9 @@ pub struct BenchReport {
     /// What the main thread's memory pool on the first device reserved from the driver
     /// by the end, in MiB (its peak: the pool returns nothing to the driver); CUDA only.
     pub pool_reserved_mib: Option<u64>,
+    /// The most the first device held outside the pool at once, in MiB (cuDNN's
+    /// workspace); CUDA only.
+    pub beside_pool_mib: Option<u64>,
 }
 
 /// The gradient exchange's cost: the same steps timed with it and without it, in
@@ -271,11 +285,9 @@ impl BackendJob for BenchJob {
         // Phases are timed on one device; with several, the step above is the figure.
         let breakdown = (n_devices == 1 && exchange.is_none())
             .then(|| self.breakdown(model, &mut optim, &batch, lr, &device));
-        let pool_reserved_mib = self
-            .pool
-            .as_ref()
-            .and_then(|probe| probe())
-            .map(|(_, reserved)| reserved >> 20);
+        let pool = self.pool.as_ref().and_then(|probe| probe());
+        let pool_reserved_mib = pool.map(|p| p.reserved >> 20);
+        let beside_pool_mib = pool.map(|p| p.beside_peak >> 20);
         Ok(BenchReport {
             model: format!("{:?}", cfg.model.arch).to_lowercase(),
             image_size: shape.height,
@@ -291,6 +303,7 @@ impl BackendJob for BenchJob {
             device_busy_ms,
             exchange,
             pool_reserved_mib,
+            beside_pool_mib,
         })
     }
 }
@@ -360,8 +373,8 @@ impl BenchJob {
             let loss = cross_entropy(logits, labels, cfg.train.label_smoothing);
             sync();
             ms[1] += t.elapsed().as_secs_f64();
-            if let Some((in_use, _)) = pool.and_then(|probe| probe()) {
-                peak = Some(peak.unwrap_or(0).max(in_use >> 20));
+            if let Some(usage) = pool.and_then(|probe| probe()) {
+                peak = Some(peak.unwrap_or(0).max(usage.in_use >> 20));
             }
 
             let t = Instant::now();

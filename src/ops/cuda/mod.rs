@@ -50,16 +50,21 @@ pub fn configure(routing: Routing) {
     pinned::set_pinned(routing.pinned_uploads);
 }
 
-/// cubecl's device memory pool of the calling thread's stream on GPU `ordinal`, in
-/// bytes: `(handed out to tensors, reserved from the driver)`. cubecl keeps one pool per
-/// stream and returns nothing to the driver unless asked, which kiln never does, so
-/// what is reserved at the end is the peak (what PyTorch calls `max_memory_reserved`).
-pub fn pool_usage(ordinal: usize) -> Option<(u64, u64)> {
+/// cubecl's device memory pool of the calling thread's stream on GPU `ordinal`, and
+/// the cuDNN workspace kiln holds beside it. cubecl keeps one pool per stream and
+/// returns nothing to the driver unless asked, which kiln never does, so what is
+/// reserved at the end is the peak (what PyTorch calls `max_memory_reserved`, which
+/// counts cuDNN's workspace too).
+pub fn pool_usage(ordinal: usize) -> Option<crate::train::PoolUsage> {
     use burn::backend::cuda::CudaDevice;
     use burn::cubecl::Runtime;
     use burn::cubecl::cuda::CudaRuntime;
     let usage = CudaRuntime::client(&CudaDevice::new(ordinal))
         .memory_usage()
         .ok()?;
-    Some((usage.bytes_in_use, usage.bytes_reserved))
+    Some(crate::train::PoolUsage {
+        in_use: usage.bytes_in_use,
+        reserved: usage.bytes_reserved,
+        beside_peak: cudnn::workspace_bytes(ordinal).1,
+    })
 }

@@ -467,15 +467,11 @@ fn queue_norm(
                 Pass::Train => ex.forward,
                 Pass::Grad => ex.backward,
             });
-            let workspace = bytes.and_then(|b| dnn.workspace(&client, b));
-            let buffers = inputs
-                .iter()
-                .chain(&outputs)
-                .map(Some)
-                .chain([workspace.as_ref()])
-                .collect::<Vec<_>>();
+            let pws = dnn.workspace(bytes.unwrap_or(0))?;
+            let buffers = inputs.iter().chain(&outputs).map(Some).collect::<Vec<_>>();
             lane.queue(&client, &buffers, key.after(), kind, |_, p| {
-                call(&descs, h, p)
+                let p = p.iter().copied().chain([pws]).collect::<Vec<_>>();
+                call(&descs, h, &p)
                     .result()
                     .map_err(|e| format!("batch norm {what} {key:?}: {e:?}"))
             })

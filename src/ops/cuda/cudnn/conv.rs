@@ -130,21 +130,15 @@ pub(super) fn run(
         move |dnn: &mut Dnn, lane: &mut Lane, h: sys::cudnnHandle_t| {
             let conv = dnn.conv(&key, h)?;
             let ws = conv.workspace();
-            let workspace = dnn.workspace(&client, ws);
-            let buffers = [
-                x.as_ref(),
-                w.as_ref(),
-                Some(&out),
-                grad.as_ref(),
-                workspace.as_ref(),
-            ];
+            let pws = dnn.workspace(ws)?;
+            let buffers = [x.as_ref(), w.as_ref(), Some(&out), grad.as_ref()];
             let kind = match part {
                 ConvPass::Forward => LibraryCall::ConvForward,
                 ConvPass::GradX => LibraryCall::ConvGradX,
                 ConvPass::GradWeight => LibraryCall::ConvGradWeight,
             };
             lane.queue(&client, &buffers, After::Gpu, kind, |_, p| {
-                let [px, pw, pout, pgrad, pws] = [p[0], p[1], p[2], p[3], p[4]];
+                let [px, pw, pout, pgrad] = [p[0], p[1], p[2], p[3]];
                 let (descs, plan) = match &*conv {
                     Conv::Graph(g) => {
                         let forward_roles = match part {

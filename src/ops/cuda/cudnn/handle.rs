@@ -3,15 +3,16 @@
 //! a shape cuDNN refuses reports it; queued without waiting after that.
 
 use std::cell::RefCell;
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::ffi::c_void;
 use std::mem::ManuallyDrop;
 use std::rc::Rc;
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use burn::cubecl::cuda::CudaDevice;
-use burn::cubecl::server::Handle;
 use cudarc::cudnn::{result as dnn, sys};
-use cudarc::driver::sys as dsys;
+use cudarc::driver::{result as drv, sys as dsys};
 
 use super::super::kiln_stream::{
     Client, Lane, on_device_thread, queue_handle, queue_on_device_thread,
@@ -32,14 +33,39 @@ pub(super) struct Dnn {
     /// Each batch-norm input's descriptors.
     pub(super) norms: HashMap<NormKey, Rc<NormDescriptors>>,
     /// One workspace per stream, as large as the largest call on it has asked for.
-    /// Calls on one stream run one after the other, so they can share it; a fresh
-    /// buffer per call left the memory pool holding one of each size ever asked (now
-    /// only those it grew through on the first step).
-    workspaces: HashMap<dsys::CUstream, Handle>,
+    /// Calls on one stream run one after the other, so they can share it. It is
+    /// kiln's own allocation, outside cubecl's pool: that pool keeps every size it
+    /// ever handed out, so the sizes the workspace grew through on the first step
+    /// stayed reserved for the run.
+    workspaces: HashMap<dsys::CUstream, Workspace>,
+    /// The GPU, for the workspace's count ([`workspace_bytes`]).
+    ordinal: usize,
+}
+
+/// A device buffer for cuDNN's scratch space, freed when a larger one replaces it.
+struct Workspace {
+    ptr: dsys::CUdeviceptr,
+    bytes: usize,
+}
+
+/// Bytes of cuDNN workspace held per GPU (all threads), now and at most.
+static WORKSPACE_BYTES: Mutex<BTreeMap<usize, (u64, u64)>> = Mutex::new(BTreeMap::new());
+
+fn count_workspace(ordinal: usize, added: usize, removed: usize) {
+    let mut all = WORKSPACE_BYTES.lock().unwrap_or_else(|e| e.into_inner());
+    let (now, peak) = all.entry(ordinal).or_default();
+    *now = (*now + added as u64).saturating_sub(removed as u64);
+    *peak = (*peak).max(*now);
+}
+
+/// cuDNN workspace on GPU `ordinal`, in bytes: `(held now, most held at once)`.
+pub fn workspace_bytes(ordinal: usize) -> (u64, u64) {
+    let all = WORKSPACE_BYTES.lock().unwrap_or_else(|e| e.into_inner());
+    all.get(&ordinal).copied().unwrap_or_default()
 }
 
 thread_local! {
-    // Kept until the thread ends, then leaked, handle, descriptors and plans alike: a
+    // Kept until the thread ends, then leaked, handle, workspace, descriptors and plans: a
     // replica thread ends with its training, and destroying cuDNN's objects after
     // their context may be gone is worse than one set per device and training.
     static DNN: RefCell<ManuallyDrop<HashMap<usize, Dnn>>> =
@@ -59,6 +85,7 @@ pub(super) fn with_dnn<T>(
             convs: HashMap::new(),
             norms: HashMap::new(),
             workspaces: HashMap::new(),
+            ordinal,
         });
         f(dnn)
     })
@@ -156,21 +183,35 @@ impl Dnn {
         Ok(handle)
     }
 
-    /// A workspace of at least `bytes` for a call queued on the handle's stream, or
-    /// none for none. A larger request replaces the stream's buffer; the old one goes
-    /// back to the pool once the calls queued with it are ordered (`Lane::queue`).
-    pub(super) fn workspace(&mut self, client: &Client, bytes: usize) -> Option<Handle> {
-        let (_, stream) = self.handle?;
+    /// The address of a workspace of at least `bytes` for a call queued on the
+    /// handle's stream, or null for none. A larger request replaces the stream's
+    /// buffer once the calls queued with it are done: a host wait, on the first
+    /// step's few growths only.
+    pub(super) fn workspace(&mut self, bytes: usize) -> Result<*mut c_void, String> {
+        let Some((_, stream)) = self.handle else {
+            return Ok(std::ptr::null_mut());
+        };
         if bytes == 0 {
-            return None;
+            return Ok(std::ptr::null_mut());
         }
-        let current = self.workspaces.get(&stream);
-        if let Some(ws) = current.filter(|ws| ws.size() as usize >= bytes) {
-            return Some(ws.clone());
+        if let Some(ws) = self.workspaces.get(&stream).filter(|ws| ws.bytes >= bytes) {
+            return Ok(ws.ptr as *mut c_void);
         }
-        let ws = client.empty(bytes);
-        self.workspaces.insert(stream, ws.clone());
-        Some(ws)
+        let cuda = |e: drv::DriverError| format!("cuDNN workspace of {bytes} bytes: CUDA {e:?}");
+        if let Some(old) = self.workspaces.remove(&stream) {
+            // SAFETY: the handle's stream, in this thread's current context; the old
+            // buffer is freed once no queued call can still use it.
+            unsafe {
+                drv::stream::synchronize(stream).map_err(cuda)?;
+                drv::free_sync(old.ptr).map_err(cuda)?;
+            }
+            count_workspace(self.ordinal, 0, old.bytes);
+        }
+        // SAFETY: the lane's context is current (`with_dnn`'s contract).
+        let ptr = unsafe { drv::malloc_sync(bytes) }.map_err(cuda)?;
+        self.workspaces.insert(stream, Workspace { ptr, bytes });
+        count_workspace(self.ordinal, bytes, 0);
+        Ok(ptr as *mut c_void)
     }
 
     /// The plan of the convolution `key` describes (the graph API's, else the legacy
