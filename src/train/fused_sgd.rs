@@ -7,7 +7,7 @@
 use std::collections::HashMap;
 use std::marker::PhantomData;
 
-use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::module::{AutodiffModule, ModuleMapper, Param, ParamId};
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::momentum::MomentumState;
 use burn::optim::record::AdaptorRecord;
@@ -88,6 +88,8 @@ struct Collect<'a, B: AutodiffBackend> {
     params: Vec<FloatTensor<Inner<B>>>,
     grad_list: Vec<FloatTensor<Inner<B>>>,
     velocity_list: Vec<Option<FloatTensor<Inner<B>>>>,
+    /// Placeholders by rank and whether they require a gradient.
+    empties: HashMap<(usize, bool), FloatTensor<B>>,
 }
 
 fn primitive<B: Backend, const D: usize>(t: Tensor<B, D>) -> FloatTensor<B> {
@@ -98,25 +100,45 @@ fn tensor<B: Backend, const D: usize>(t: FloatTensor<B>) -> Tensor<B, D> {
     Tensor::from_primitive(TensorPrimitive::Float(t))
 }
 
-impl<B: AutodiffBackend> ModuleVisitor<B> for Collect<'_, B> {
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        let value = param.val();
+/// Takes each parameter with a gradient out of the module, leaving an empty tensor in
+/// its place until [`Replace`] puts the stepped one there: a parameter the module still
+/// held could not be stepped in place (`SgdBackend::sgd_step`), and the step would hold
+/// two copies of it.
+impl<B: AutodiffBackend> ModuleMapper<B> for Collect<'_, B> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let (id, value, mapper) = param.consume();
         let device = value.device();
-        let Some(grad) = self.grads.remove::<Inner<B>, D>(param.id, &device) else {
-            return;
+        let Some(grad) = self.grads.remove::<Inner<B>, D>(id, &device) else {
+            return Param::from_mapped_value(id, value, mapper);
         };
-        if let Some(record) = self.loaded.remove(&param.id) {
+        if let Some(record) = self.loaded.remove(&id) {
             let state: SgdState<Inner<B>, D> = record.into_state();
             if let Some(momentum) = state.momentum {
                 self.velocities
-                    .insert(param.id, velocity_of::<Inner<B>, D>(momentum, &device));
+                    .insert(id, velocity_of::<Inner<B>, D>(momentum, &device));
             }
         }
-        let velocity = self.velocities.remove(&param.id).map(|v| v.tensor);
-        self.ids.push((param.id, D));
+        let velocity = self.velocities.remove(&id).map(|v| v.tensor);
+        let trainable = value.is_require_grad();
+        self.ids.push((id, D));
         self.params.push(primitive(value.inner()));
         self.grad_list.push(primitive(grad));
         self.velocity_list.push(velocity);
+        // One empty tensor per rank and kind, shared: a tensor operation per parameter
+        // would cost the host time the step is bound by on small models.
+        let empty = self
+            .empties
+            .entry((D, trainable))
+            .or_insert_with(|| {
+                let empty = Tensor::<B, D>::empty([0; D], &device);
+                primitive(if trainable {
+                    empty.require_grad()
+                } else {
+                    empty
+                })
+            })
+            .clone();
+        Param::from_mapped_value(id, tensor(empty), mapper)
     }
 }
 
@@ -167,8 +189,9 @@ where
             params: Vec::new(),
             grad_list: Vec::new(),
             velocity_list: Vec::new(),
+            empties: HashMap::new(),
         };
-        module.visit(&mut collect);
+        let module = module.map(&mut collect);
         let Collect {
             ids,
             params,

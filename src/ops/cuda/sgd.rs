@@ -25,11 +25,16 @@ const GROUP: usize = 32;
 /// compile time), its cubes striding over its elements. Weight decay, momentum,
 /// update, in Burn's `Sgd`'s order. `velocities` is empty on the first step with
 /// momentum; both velocity sequences are empty without momentum.
+///
+/// Parameters and velocities are written in place where nothing else holds them
+/// ([`in_place_or_new`]): they are taken as `&mut` although the kernel only reads them,
+/// so that cubecl does not declare them read-only (`const __restrict__`), which a
+/// write to the same buffer through the outputs would break.
 #[cube(launch)]
 fn sgd_group_kernel<N: Size>(
-    params: &Sequence<Tensor<Vector<f32, N>>>,
+    params: &mut Sequence<Tensor<Vector<f32, N>>>,
     grads: &Sequence<Tensor<Vector<f32, N>>>,
-    velocities: &Sequence<Tensor<Vector<f32, N>>>,
+    velocities: &mut Sequence<Tensor<Vector<f32, N>>>,
     new_params: &mut Sequence<Tensor<Vector<f32, N>>>,
     new_velocities: &mut Sequence<Tensor<Vector<f32, N>>>,
     lens: &Sequence<usize>,
@@ -88,6 +93,20 @@ fn empty_like<R: CubeRuntime>(t: &CubeTensor<R>) -> CubeTensor<R> {
     )
 }
 
+/// Where `t`'s new value goes: `t`'s own buffer when nothing else holds it, else a new
+/// one. Each thread of the kernel reads an element before it writes that element, so
+/// it may write where it reads; in place, a step holds each parameter and velocity
+/// once instead of twice (with the gradient, three buffers per parameter as in
+/// PyTorch, not five). A tensor held elsewhere too (a checkpoint being written, a test's
+/// copy) keeps its values.
+fn in_place_or_new<R: CubeRuntime>(t: &CubeTensor<R>) -> CubeTensor<R> {
+    if t.can_mut() && t.is_contiguous() {
+        t.clone()
+    } else {
+        empty_like(t)
+    }
+}
+
 /// Steps every parameter, up to [`GROUP`] in one launch among those of one vector
 /// width and with or without a velocity: a handful of launches per model instead
 /// of one per parameter (161 for ResNet-50).
@@ -136,17 +155,21 @@ fn step_grouped<R: CubeRuntime>(
                 let len = p.meta.shape().num_elements() / vector;
                 longest = longest.max(len);
                 lens.push(len);
-                let new_p = empty_like(p);
+                let new_p = in_place_or_new(p);
                 p_in.push(p.clone().into_tensor_arg());
                 g_in.push(g.clone().into_tensor_arg());
                 p_out.push(new_p.clone().into_tensor_arg());
                 new_params[i] = Some(new_p);
                 // Without momentum the kernel reads and writes no velocity.
                 if with_momentum {
-                    if let Some(v) = v {
-                        v_in.push(v.clone().into_tensor_arg());
-                    }
-                    let new_v = empty_like(p);
+                    let new_v = match v {
+                        Some(v) => {
+                            let new_v = in_place_or_new(v);
+                            v_in.push(v.clone().into_tensor_arg());
+                            new_v
+                        }
+                        None => empty_like(p),
+                    };
                     v_out.push(new_v.clone().into_tensor_arg());
                     new_velocities[i] = Some(new_v);
                 }
@@ -291,5 +314,58 @@ mod tests {
                 }
             }
         }
+    }
+    /// Parameters and velocities held elsewhere too keep their values (the step writes
+    /// new buffers for them), and the step's results are the same either way.
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn sgd_kernels_leave_tensors_held_elsewhere_untouched() {
+        let dev = CudaDevice::new(0);
+        let values = |t: FloatTensor<Cuda>| tensor::<Cuda>(t).into_data().to_vec::<f32>().unwrap();
+        let make = |seed: u64| {
+            <Cuda as Backend>::seed(&dev, seed);
+            [vec![64], vec![32, 16, 3, 3], vec![5]]
+                .iter()
+                .map(|s| {
+                    let n = s.iter().product::<usize>();
+                    Tensor::<Cuda, 1>::random([n], Distribution::Normal(0.0, 1.0), &dev)
+                        .into_primitive()
+                        .tensor()
+                })
+                .collect::<Vec<_>>()
+        };
+        let step = SgdStep {
+            lr: 0.1,
+            momentum: 0.9,
+            dampening: 0.0,
+            nesterov: true,
+            weight_decay: 5e-4,
+        };
+        let run = |hold: bool| {
+            let (p, g, v) = (make(1), make(2), make(3));
+            let held = hold.then(|| (p.clone(), v.clone()));
+            let v = v.into_iter().map(Some).collect();
+            let (p, v) = <Cuda as SgdBackend>::sgd_step(p, g, v, step);
+            let p: Vec<_> = p.into_iter().map(values).collect();
+            let v: Vec<_> = v.into_iter().map(|v| values(v.unwrap())).collect();
+            let held = held.map(|(hp, hv)| {
+                let hp: Vec<_> = hp.into_iter().map(values).collect();
+                let hv: Vec<_> = hv.into_iter().map(values).collect();
+                (hp, hv)
+            });
+            (p, v, held)
+        };
+        let (p_alone, v_alone, _) = run(false);
+        let (p_held, v_held, held) = run(true);
+        assert_eq!(p_alone, p_held, "parameters");
+        assert_eq!(v_alone, v_held, "velocities");
+        let (hp, hv) = held.unwrap();
+        let (p0, v0): (Vec<_>, Vec<_>) = (
+            make(1).into_iter().map(values).collect(),
+            make(3).into_iter().map(values).collect(),
+        );
+        assert_eq!(hp, p0, "a parameter held elsewhere changed");
+        assert_eq!(hv, v0, "a velocity held elsewhere changed");
+        assert_ne!(p_held, p0, "the step changed nothing");
     }
 }
