@@ -248,6 +248,19 @@ mod tests {
     use burn::backend::cuda::{Cuda, CudaDevice};
     use burn::tensor::Distribution;
 
+    /// One flat tensor of standard normal values per shape.
+    fn normal(shapes: &[Vec<usize>], dev: &CudaDevice) -> Vec<FloatTensor<Cuda>> {
+        shapes
+            .iter()
+            .map(|s| {
+                let n = s.iter().product::<usize>();
+                Tensor::<Cuda, 1>::random([n], Distribution::Normal(0.0, 1.0), dev)
+                    .into_primitive()
+                    .tensor()
+            })
+            .collect()
+    }
+
     #[test]
     #[ignore = "needs a CUDA GPU"]
     fn sgd_kernels_match_burns_operations_on_the_gpu() {
@@ -258,18 +271,11 @@ mod tests {
         shapes.extend((0..40).map(|i| vec![8 * (i + 1)]));
         let inputs = |seed: u64| {
             <Cuda as Backend>::seed(&dev, seed);
-            let make = || {
-                shapes
-                    .iter()
-                    .map(|s| {
-                        let n = s.iter().product::<usize>();
-                        Tensor::<Cuda, 1>::random([n], Distribution::Normal(0.0, 1.0), &dev)
-                            .into_primitive()
-                            .tensor()
-                    })
-                    .collect::<Vec<_>>()
-            };
-            (make(), make(), make())
+            (
+                normal(&shapes, &dev),
+                normal(&shapes, &dev),
+                normal(&shapes, &dev),
+            )
         };
         let values = |t: FloatTensor<Cuda>| tensor::<Cuda>(t).into_data().to_vec::<f32>().unwrap();
         for (momentum, nesterov, weight_decay, first) in [
@@ -324,15 +330,7 @@ mod tests {
         let values = |t: FloatTensor<Cuda>| tensor::<Cuda>(t).into_data().to_vec::<f32>().unwrap();
         let make = |seed: u64| {
             <Cuda as Backend>::seed(&dev, seed);
-            [vec![64], vec![32, 16, 3, 3], vec![5]]
-                .iter()
-                .map(|s| {
-                    let n = s.iter().product::<usize>();
-                    Tensor::<Cuda, 1>::random([n], Distribution::Normal(0.0, 1.0), &dev)
-                        .into_primitive()
-                        .tensor()
-                })
-                .collect::<Vec<_>>()
+            normal(&[vec![64], vec![32, 16, 3, 3], vec![5]], &dev)
         };
         let step = SgdStep {
             lr: 0.1,
