@@ -65,6 +65,6 @@ pub fn pool_usage(ordinal: usize) -> Option<crate::train::PoolUsage> {
     Some(crate::train::PoolUsage {
         in_use: usage.bytes_in_use,
         reserved: usage.bytes_reserved,
-        beside_peak: cudnn::workspace_bytes(ordinal).1,
+        beside_peak: cudnn::workspace_peak(ordinal),
     })
 }

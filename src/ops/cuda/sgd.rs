@@ -93,14 +93,14 @@ fn empty_like<R: CubeRuntime>(t: &CubeTensor<R>) -> CubeTensor<R> {
     )
 }
 
-/// Where `t`'s new value goes: `t`'s own buffer when nothing else holds it, else a new
-/// one. Each thread of the kernel reads an element before it writes that element, so
+/// Where `t`'s new value goes (`t` contiguous, as `step_grouped` makes its inputs): `t`'s
+/// own buffer when nothing else holds it, else a new one. Each thread of the kernel reads an element before it writes that element, so
 /// it may write where it reads; in place, a step holds each parameter and velocity
 /// once instead of twice (with the gradient, three buffers per parameter as in
 /// PyTorch, not five). A tensor held elsewhere too (a checkpoint being written, a test's
 /// copy) keeps its values.
 fn in_place_or_new<R: CubeRuntime>(t: &CubeTensor<R>) -> CubeTensor<R> {
-    if t.can_mut() && t.is_contiguous() {
+    if t.can_mut() {
         t.clone()
     } else {
         empty_like(t)

@@ -38,7 +38,7 @@ pub(super) struct Dnn {
     /// ever handed out, so the sizes the workspace grew through on the first step
     /// stayed reserved for the run.
     workspaces: HashMap<dsys::CUstream, Workspace>,
-    /// The GPU, for the workspace's count ([`workspace_bytes`]).
+    /// The GPU, for the workspace's count ([`workspace_peak`]).
     ordinal: usize,
 }
 
@@ -48,7 +48,8 @@ struct Workspace {
     bytes: usize,
 }
 
-/// Bytes of cuDNN workspace held per GPU (all threads), now and at most.
+/// Bytes of cuDNN workspace held per GPU (all threads), now (to add up the streams')
+/// and at most.
 static WORKSPACE_BYTES: Mutex<BTreeMap<usize, (u64, u64)>> = Mutex::new(BTreeMap::new());
 
 fn count_workspace(ordinal: usize, added: usize, removed: usize) {
@@ -58,10 +59,10 @@ fn count_workspace(ordinal: usize, added: usize, removed: usize) {
     *peak = (*peak).max(*now);
 }
 
-/// cuDNN workspace on GPU `ordinal`, in bytes: `(held now, most held at once)`.
-pub fn workspace_bytes(ordinal: usize) -> (u64, u64) {
+/// The most cuDNN workspace GPU `ordinal` has held at once, in bytes.
+pub fn workspace_peak(ordinal: usize) -> u64 {
     let all = WORKSPACE_BYTES.lock().unwrap_or_else(|e| e.into_inner());
-    all.get(&ordinal).copied().unwrap_or_default()
+    all.get(&ordinal).map_or(0, |&(_, peak)| peak)
 }
 
 thread_local! {

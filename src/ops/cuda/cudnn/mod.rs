@@ -43,7 +43,7 @@ pub use batch_norm::{probe_batch_norm, set_batch_norm};
 pub use conv::set_convolutions;
 use conv::{Conv, ConvKey, dims, warn_once};
 use graph::GraphPlan;
-pub use handle::workspace_bytes;
+pub use handle::workspace_peak;
 use handle::{Dnn, Planned, on_cudnn_planned, with_cudnn};
 use legacy::{data_type, tensor_format, write_scaling};
 
