@@ -179,7 +179,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
             crate::out!("  memory pool       {mib} MiB reserved{peak}");
             if let Some(beside) = report.beside_pool_mib.filter(|&m| m > 0) {
                 crate::out!(
-                    "  cuDNN workspace   {beside} MiB beside the pool: {} MiB in all",
+                    "  beside the pool  {beside} MiB (cuDNN workspace, upload staging): {} MiB in all",
                     mib + beside
                 );
             }

@@ -49,7 +49,7 @@ pub struct PoolUsage {
     pub in_use: u64,
     /// Reserved from the driver by the pool.
     pub reserved: u64,
-    /// The most held at once outside the pool (cuDNN's workspace).
+    /// The most held at once outside the pool (cuDNN's workspace, upload staging).
     pub beside_peak: u64,
 }
 
@@ -134,7 +134,7 @@ pub struct BenchReport {
     /// by the end, in MiB (its peak: the pool returns nothing to the driver); CUDA only.
     pub pool_reserved_mib: Option<u64>,
     /// The most the first device held outside the pool at once, in MiB (cuDNN's
-    /// workspace); CUDA only.
+    /// workspace and the uploads' staging buffers); CUDA only.
     pub beside_pool_mib: Option<u64>,
 }
 

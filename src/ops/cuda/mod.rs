@@ -7,7 +7,7 @@
 //! - `channels_last_norm`, `sgd`: kiln's own cubecl kernels;
 //! - `nccl`: collectives of device buffers across GPUs and processes (`copies`: many
 //!   device-to-device copies by one driver call);
-//! - `pinned`: uploads from page-locked host memory;
+//! - `pinned`, `staging`: uploads from page-locked host memory, beside the step;
 //! - `kiln_stream`, `cubecl_stream`, `stream_order`: how kiln's GPU work is queued in
 //!   order with cubecl's;
 //! - `fusion`: each extension as one custom operation of Burn's fusion stream.
@@ -21,6 +21,7 @@ mod kiln_stream;
 pub mod nccl;
 pub mod pinned;
 mod sgd;
+mod staging;
 mod stream_order;
 
 pub(crate) use kiln_stream::kiln_waits;
@@ -51,7 +52,8 @@ pub fn configure(routing: Routing) {
 }
 
 /// cubecl's device memory pool of the calling thread's stream on GPU `ordinal`, and
-/// the cuDNN workspace kiln holds beside it. cubecl keeps one pool per stream and
+/// what kiln holds beside it (cuDNN's workspace, the upload's staging buffers; the sum
+/// of their peaks). cubecl keeps one pool per stream and
 /// returns nothing to the driver unless asked, which kiln never does, so what is
 /// reserved at the end is the peak (what PyTorch calls `max_memory_reserved`, which
 /// counts cuDNN's workspace too).
@@ -65,6 +67,6 @@ pub fn pool_usage(ordinal: usize) -> Option<crate::train::PoolUsage> {
     Some(crate::train::PoolUsage {
         in_use: usage.bytes_in_use,
         reserved: usage.bytes_reserved,
-        beside_peak: cudnn::workspace_peak(ordinal),
+        beside_peak: cudnn::workspace_peak(ordinal) + staging::staging_peak(ordinal),
     })
 }

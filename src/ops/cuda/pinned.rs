@@ -7,8 +7,10 @@
 //! 224 px) spent 25 ms in the first copy and about 13 ms in the second, a third of the
 //! step (BENCHMARKS.md). Here the batch is copied once into page-locked memory (on
 //! several threads) and the copy engine reads it from there while the device thread
-//! goes on. The copy is queued as cuDNN's calls are, on cubecl's stream where kiln knows
-//! it, else on kiln's, ordered against cubecl's (`kiln_stream::on_kiln_stream`).
+//! goes on, into a staging buffer on a stream of its own while the GPU runs the step
+//! before (`staging`). Only the copy out of the staging buffer is queued as cuDNN's calls
+//! are, on cubecl's stream where kiln knows it, else on kiln's, ordered against cubecl's
+//! (`kiln_stream::on_kiln_stream`).
 //!
 //! The buffers are kept in a pool and reused (pinning a new buffer locks each of its
 //! pages, slower than the copy). The driver hands a buffer back to the pool once the
@@ -27,6 +29,7 @@ use cubecl::Runtime;
 use cudarc::driver::{result as drv, sys as dsys};
 
 use super::kiln_stream::{cuda, make_primary_current, on_kiln_stream};
+use super::staging::upload_through;
 use crate::ops::UploadBackend;
 use crate::ops::upload::pageable_upload;
 
@@ -155,23 +158,27 @@ fn upload(
     let client = CudaRuntime::client(device);
     let out = client.empty(len);
     let buffer = Lent(Some(buffer));
-    on_kiln_stream(&client, device.index, &[Some(&out)], move |stream, p| {
+    let ordinal = device.index;
+    on_kiln_stream(&client, ordinal, &[Some(&out)], move |stream, p| {
         let from = buffer.ptr();
-        // SAFETY: `p[0]` is `out`, `len` bytes on this device; the buffer holds them.
-        // On failure nothing was queued and `buffer` goes back to the pool.
-        unsafe { dsys::cuMemcpyHtoDAsync_v2(p[0] as u64, from, len, stream) }
-            .result()
-            .map_err(cuda)?;
-        let boxed = Box::into_raw(Box::new(buffer.hand_over())) as *mut c_void;
-        // SAFETY: `copied` takes the box back exactly once, after the copy.
-        if let Err(e) = unsafe { drv::stream::launch_host_function(stream, copied, boxed) } {
-            // SAFETY: this thread's stream; once it is idle the copy is done, and the
-            // callback was never queued.
-            let _ = unsafe { drv::stream::synchronize(stream) };
-            give_back(*unsafe { Box::from_raw(boxed as *mut Buffer) });
-            return Err(cuda(e));
-        }
-        Ok(())
+        upload_through(ordinal, stream, p[0] as u64, len, |copy_stream, staged| {
+            // SAFETY: `staged` holds at least `len` bytes, and so does the buffer. On
+            // failure nothing was queued and `buffer` goes back to the pool.
+            unsafe { dsys::cuMemcpyHtoDAsync_v2(staged, from, len, copy_stream) }
+                .result()
+                .map_err(cuda)?;
+            let boxed = Box::into_raw(Box::new(buffer.hand_over())) as *mut c_void;
+            // SAFETY: `copied` takes the box back exactly once, after the copy.
+            if let Err(e) = unsafe { drv::stream::launch_host_function(copy_stream, copied, boxed) }
+            {
+                // SAFETY: kiln's copy stream; once it is idle the copy is done, and
+                // the callback was never queued.
+                let _ = unsafe { drv::stream::synchronize(copy_stream) };
+                give_back(*unsafe { Box::from_raw(boxed as *mut Buffer) });
+                return Err(cuda(e));
+            }
+            Ok(())
+        })
     })?;
     Ok(CubeTensor::new_contiguous(
         client,
