@@ -1,7 +1,7 @@
 //! Residual blocks: the basic two-3x3 block (ResNet-18/34 and the CIFAR ResNets) and
 //! the 1x1-3x3-1x1 bottleneck (ResNet-50, stride on the 3x3 as torchvision's v1.5).
 
-use crate::ops::{ModelBackend, batch_norm, relu};
+use crate::ops::{ModelBackend, batch_norm, batch_norm_relu, relu};
 use burn::module::Module;
 use burn::nn::conv::{Conv2d, Conv2dConfig};
 use burn::nn::{BatchNorm, BatchNormConfig, Initializer, PaddingConfig2d};
@@ -94,11 +94,7 @@ impl<B: ModelBackend> Basic<B> {
             Some(s) => s.forward(x.clone(), c),
             None => x.clone(),
         };
-        let y = relu(batch_norm(
-            &self.bn1,
-            precision::conv(&self.conv1, x, c),
-            c.layout,
-        ));
+        let y = batch_norm_relu(&self.bn1, precision::conv(&self.conv1, x, c), c.layout);
         let y = batch_norm(&self.bn2, precision::conv(&self.conv2, y, c), c.layout);
         relu(y + identity)
     }
@@ -136,16 +132,8 @@ impl<B: ModelBackend> Bottleneck<B> {
             Some(s) => s.forward(x.clone(), c),
             None => x.clone(),
         };
-        let y = relu(batch_norm(
-            &self.bn1,
-            precision::conv(&self.conv1, x, c),
-            c.layout,
-        ));
-        let y = relu(batch_norm(
-            &self.bn2,
-            precision::conv(&self.conv2, y, c),
-            c.layout,
-        ));
+        let y = batch_norm_relu(&self.bn1, precision::conv(&self.conv1, x, c), c.layout);
+        let y = batch_norm_relu(&self.bn2, precision::conv(&self.conv2, y, c), c.layout);
         let y = batch_norm(&self.bn3, precision::conv(&self.conv3, y, c), c.layout);
         relu(y + identity)
     }

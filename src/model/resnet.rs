@@ -1,6 +1,6 @@
 //! The ResNet network: stem, residual stages, global average pool, classifier.
 
-use crate::ops::{ModelBackend, batch_norm, relu};
+use crate::ops::{ModelBackend, batch_norm_relu};
 use burn::module::Module;
 use burn::nn::conv::Conv2d;
 use burn::nn::pool::{AdaptiveAvgPool2d, AdaptiveAvgPool2dConfig, MaxPool2d, MaxPool2dConfig};
@@ -129,7 +129,7 @@ impl<B: ModelBackend> ResNet<B> {
         };
         let images = layout.laid_out(images);
         let stem = precision::conv(&self.stem_conv, images, c);
-        let mut x = relu(batch_norm(&self.stem_bn, stem, layout));
+        let mut x = batch_norm_relu(&self.stem_bn, stem, layout);
         if let Some(pool) = &self.stem_pool {
             // Burn's max pool takes NCHW: a view there and back.
             x = layout.laid_out(pool.forward(layout.nchw(x)));

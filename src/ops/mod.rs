@@ -26,7 +26,7 @@ pub use collective::DeviceComm;
 pub use conv::ConvPass;
 #[cfg(feature = "cuda")]
 pub(crate) use layout::conv2d_output_dims;
-pub use norm::{NormBackend, batch_norm};
+pub use norm::{NormBackend, batch_norm, batch_norm_relu};
 pub use sgd::{SgdBackend, SgdStep};
 pub use upload::{UploadBackend, upload_f32};
 pub use waits::{KilnWaits, LibraryCall, kiln_waits};

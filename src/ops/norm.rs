@@ -22,39 +22,95 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, FloatDType, Tensor, TensorPrimitive};
 
 use super::Layout;
+use super::activation::{ActivationBackend, relu};
 
 /// BatchNorm with batch statistics over N, H and W of a tensor in `layout`, and its
-/// gradients. `x` (and `dy`) may be fp32, bf16 or fp16 (channels-last mixed
-/// precision); `gamma`, `beta` and the statistics are fp32, and so is the arithmetic.
-/// The defaults are Burn's tensor operations ([`train_reference`], [`grad_reference`]).
+/// gradients, optionally with the ReLU after it in the same pass (`relu`). `x` (and
+/// `dy`) may be fp32, bf16 or fp16 (channels-last mixed precision); `gamma`, `beta` and
+/// the statistics are fp32, and so is the arithmetic. The defaults are Burn's tensor
+/// operations ([`train_reference`], [`grad_reference`]).
 pub trait NormBackend: Backend {
     /// `x` normalised per channel with its batch mean and biased variance, scaled by
-    /// `gamma` and shifted by `beta` (both `[C]`). Returns the output (`x`'s dtype), the
-    /// batch mean and `1 / sqrt(variance + epsilon)` (both `[C]`).
+    /// `gamma` and shifted by `beta` (both `[C]`), then with `relu` `max(_, 0)`.
+    /// Returns the output (`x`'s dtype), the batch mean and `1 / sqrt(variance +
+    /// epsilon)` (both `[C]`).
     fn batch_norm_train(
         x: FloatTensor<Self>,
         gamma: FloatTensor<Self>,
         beta: FloatTensor<Self>,
         epsilon: f64,
         layout: Layout,
+        relu: bool,
     ) -> [FloatTensor<Self>; 3] {
-        train_reference::<Self>(x, gamma, beta, epsilon, layout)
+        train_reference::<Self>(x, gamma, beta, epsilon, layout, relu)
     }
 
     /// The gradients for `x`, `gamma` and `beta` given the output's gradient `dy`
-    /// and the statistics the forward pass returned.
+    /// and the statistics the forward pass returned; with `relu`, `dy` is the ReLU
+    /// output's gradient, zero where the normalised value was not positive.
+    #[allow(clippy::too_many_arguments)]
     fn batch_norm_grad(
         x: FloatTensor<Self>,
-        gamma: FloatTensor<Self>,
-        mean: FloatTensor<Self>,
-        inv_std: FloatTensor<Self>,
+        [gamma, beta]: [FloatTensor<Self>; 2],
+        [mean, inv_std]: [FloatTensor<Self>; 2],
         dy: FloatTensor<Self>,
         epsilon: f64,
         layout: Layout,
+        relu: bool,
     ) -> [FloatTensor<Self>; 3] {
         let _ = epsilon;
-        grad_reference::<Self>(x, gamma, mean, inv_std, dy, layout)
+        grad_reference::<Self>(x, [gamma, beta], [mean, inv_std], dy, layout, relu)
     }
+
+    /// [`NormBackend::batch_norm_train`] that also blends the batch statistics into the
+    /// `running` mean and variance (both `[C]`, f32) as Burn's module does, with the
+    /// biased variance: `running * (1 - momentum) + batch * momentum`. Returns the
+    /// output, mean and inverse deviation, then the new running mean and variance.
+    #[allow(clippy::too_many_arguments)]
+    fn batch_norm_train_running(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        epsilon: f64,
+        layout: Layout,
+        relu: bool,
+        running: [FloatTensor<Self>; 2],
+        momentum: f64,
+    ) -> [FloatTensor<Self>; 5] {
+        let [y, mean, inv_std] = Self::batch_norm_train(x, gamma, beta, epsilon, layout, relu);
+        let stats = [mean.clone(), inv_std.clone()];
+        let [rm, rv] = blend_reference::<Self>(running, stats, epsilon, momentum);
+        [y, mean, inv_std, rm, rv]
+    }
+
+    /// Whether the training pass of a layer in `layout` is better given the ReLU after
+    /// it (`relu`) and the running statistics' update
+    /// ([`NormBackend::batch_norm_train_running`]) than followed by them: where the
+    /// backend's kernels do them in the same pass, which saves a read and a write of
+    /// the activation each way and a dozen small operations per layer.
+    fn fuses_norm_epilogue(layout: Layout) -> bool {
+        let _ = layout;
+        false
+    }
+}
+
+/// The running statistics blended with a batch's mean and inverse deviation, in Burn's
+/// tensor operations.
+pub(crate) fn blend_reference<B: Backend>(
+    [running_mean, running_var]: [FloatTensor<B>; 2],
+    [mean, inv_std]: [FloatTensor<B>; 2],
+    epsilon: f64,
+    momentum: f64,
+) -> [FloatTensor<B>; 2] {
+    let var = tensor::<B, 1>(inv_std).recip().square().sub_scalar(epsilon);
+    let blend = |running: FloatTensor<B>, batch: Tensor<B, 1>| {
+        primitive(
+            tensor::<B, 1>(running)
+                .mul_scalar(1.0 - momentum)
+                .add(batch.mul_scalar(momentum)),
+        )
+    };
+    [blend(running_mean, tensor(mean)), blend(running_var, var)]
 }
 
 impl NormBackend for Flex {}
@@ -106,6 +162,7 @@ pub(crate) fn train_reference<B: Backend>(
     beta: FloatTensor<B>,
     epsilon: f64,
     layout: Layout,
+    relu: bool,
 ) -> [FloatTensor<B>; 3] {
     let x = tensor::<B, 4>(x);
     let dtype = x.dtype();
@@ -117,6 +174,8 @@ pub(crate) fn train_reference<B: Backend>(
     let inv_std = var.add_scalar(epsilon).sqrt().recip();
     let scale = inv_std.clone() * tensor::<B, 1>(gamma);
     let y = centered * per_channel(scale, layout) + per_channel(tensor::<B, 1>(beta), layout);
+    // Rounding to `dtype` keeps the sign, so ReLU before it is ReLU after it.
+    let y = if relu { y.clamp_min(0.0) } else { y };
     [
         primitive(y.cast(dtype)),
         primitive(mean),
@@ -124,15 +183,37 @@ pub(crate) fn train_reference<B: Backend>(
     ]
 }
 
+/// `dy` (in `x`'s dtype) zero where the forward pass's normalised `x` was not
+/// positive, so where a ReLU after it passed nothing: the gradient through that ReLU.
+pub(crate) fn relu_grad_reference<B: Backend>(
+    x: FloatTensor<B>,
+    [gamma, beta]: [FloatTensor<B>; 2],
+    [mean, inv_std]: [FloatTensor<B>; 2],
+    dy: FloatTensor<B>,
+    layout: Layout,
+) -> FloatTensor<B> {
+    let x = tensor::<B, 4>(x).cast(FloatDType::F32);
+    let scale = tensor::<B, 1>(gamma) * tensor::<B, 1>(inv_std);
+    let bias = tensor::<B, 1>(beta) - tensor::<B, 1>(mean) * scale.clone();
+    let pre = x * per_channel(scale, layout) + per_channel(bias, layout);
+    primitive(tensor::<B, 4>(dy).mask_fill(pre.lower_equal_elem(0.0), 0.0))
+}
+
 /// [`NormBackend::batch_norm_grad`] in Burn's tensor operations, in f32.
 pub(crate) fn grad_reference<B: Backend>(
     x: FloatTensor<B>,
-    gamma: FloatTensor<B>,
-    mean: FloatTensor<B>,
-    inv_std: FloatTensor<B>,
+    [gamma, beta]: [FloatTensor<B>; 2],
+    [mean, inv_std]: [FloatTensor<B>; 2],
     dy: FloatTensor<B>,
     layout: Layout,
+    relu: bool,
 ) -> [FloatTensor<B>; 3] {
+    let dy = if relu {
+        let stats = [mean.clone(), inv_std.clone()];
+        relu_grad_reference::<B>(x.clone(), [gamma.clone(), beta], stats, dy, layout)
+    } else {
+        dy
+    };
     let x = tensor::<B, 4>(x);
     let dtype = x.dtype();
     let (x, dy) = (
@@ -173,30 +254,69 @@ pub fn batch_norm<B: NormBackend>(
         }
         return inference(bn, x, layout);
     }
-    let [y, mean, inv_std] = B::batch_norm_train(
-        primitive(x),
-        primitive(bn.gamma.val()),
-        primitive(bn.beta.val()),
-        bn.epsilon,
-        layout,
-    );
-    let mean = tensor::<B, 1>(mean).detach();
-    let var = tensor::<B, 1>(inv_std)
-        .detach()
-        .recip()
-        .square()
-        .sub_scalar(bn.epsilon);
-    let blend = |running: Tensor<B, 1>, batch: Tensor<B, 1>| {
-        running
-            .to_device(&device)
-            .mul_scalar(1.0 - bn.momentum)
-            .add(batch.mul_scalar(bn.momentum))
-            .detach()
+    train_pass(bn, x, layout, false)
+}
+
+/// `relu(batch_norm(bn, x, layout))`, in one pass where the backend has one
+/// ([`NormBackend::fuses_norm_epilogue`]).
+pub fn batch_norm_relu<B: NormBackend + ActivationBackend>(
+    bn: &BatchNorm<B>,
+    x: Tensor<B, 4>,
+    layout: Layout,
+) -> Tensor<B, 4> {
+    if B::fuses_norm_epilogue(layout) && B::ad_enabled(&x.device()) {
+        return train_pass(bn, x, layout, true);
+    }
+    relu(batch_norm(bn, x, layout))
+}
+
+/// The training pass of [`batch_norm`] (with `relu`, of [`batch_norm_relu`]) and the
+/// running statistics' update: in the pass where the backend fuses it.
+fn train_pass<B: NormBackend>(
+    bn: &BatchNorm<B>,
+    x: Tensor<B, 4>,
+    layout: Layout,
+    relu: bool,
+) -> Tensor<B, 4> {
+    train_pass_with(bn, x, layout, relu, B::fuses_norm_epilogue(layout))
+}
+
+/// [`train_pass`], the running statistics updated in the pass with `in_pass`.
+pub(crate) fn train_pass_with<B: NormBackend>(
+    bn: &BatchNorm<B>,
+    x: Tensor<B, 4>,
+    layout: Layout,
+    relu: bool,
+    in_pass: bool,
+) -> Tensor<B, 4> {
+    let device = x.device();
+    let (gamma, beta) = (primitive(bn.gamma.val()), primitive(bn.beta.val()));
+    let running = || {
+        [&bn.running_mean, &bn.running_var].map(|r| primitive(r.value_sync().to_device(&device)))
     };
-    bn.running_mean
-        .update(blend(bn.running_mean.value_sync(), mean));
-    bn.running_var
-        .update(blend(bn.running_var.value_sync(), var));
+    let (y, [mean, var]) = if in_pass {
+        let [y, _, _, mean, var] = B::batch_norm_train_running(
+            primitive(x),
+            gamma,
+            beta,
+            bn.epsilon,
+            layout,
+            relu,
+            running(),
+            bn.momentum,
+        );
+        (y, [mean, var])
+    } else {
+        let [y, mean, inv_std] =
+            B::batch_norm_train(primitive(x), gamma, beta, bn.epsilon, layout, relu);
+        let stats = [mean, inv_std].map(|t| primitive(tensor::<B, 1>(t).detach()));
+        (
+            y,
+            blend_reference::<B>(running(), stats, bn.epsilon, bn.momentum),
+        )
+    };
+    bn.running_mean.update(tensor::<B, 1>(mean).detach());
+    bn.running_var.update(tensor::<B, 1>(var).detach());
     tensor(y)
 }
 
@@ -222,99 +342,159 @@ fn inference<B: Backend>(bn: &BatchNorm<B>, x: Tensor<B, 4>, layout: Layout) -> 
 /// the output is recomputed in the backward pass rather than kept, as Burn's
 /// element-wise BatchNorm was.
 impl<B: NormBackend, C: CheckpointStrategy> NormBackend for Autodiff<B, C> {
+    fn fuses_norm_epilogue(layout: Layout) -> bool {
+        B::fuses_norm_epilogue(layout)
+    }
+
     fn batch_norm_train(
         x: FloatTensor<Self>,
         gamma: FloatTensor<Self>,
         beta: FloatTensor<Self>,
         epsilon: f64,
         layout: Layout,
+        relu: bool,
     ) -> [FloatTensor<Self>; 3] {
-        #[derive(Debug)]
-        struct Norm;
+        let train = |x, gamma, beta| B::batch_norm_train(x, gamma, beta, epsilon, layout, relu);
+        norm_node::<B, C, 3>([x, gamma, beta], epsilon, layout, relu, train)
+    }
 
-        #[derive(Debug)]
-        struct Retro<B> {
-            parents: [NodeId; 3],
-            epsilon: f64,
-            layout: Layout,
-            _backend: PhantomData<B>,
+    fn batch_norm_train_running(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        epsilon: f64,
+        layout: Layout,
+        relu: bool,
+        [running_mean, running_var]: [FloatTensor<Self>; 2],
+        momentum: f64,
+    ) -> [FloatTensor<Self>; 5] {
+        let running = [running_mean.primitive, running_var.primitive];
+        let train = |x, gamma, beta| {
+            B::batch_norm_train_running(x, gamma, beta, epsilon, layout, relu, running, momentum)
+        };
+        norm_node::<B, C, 5>([x, gamma, beta], epsilon, layout, relu, train)
+    }
+}
+
+/// One node for the training pass `train` (the output, mean and inverse deviation,
+/// then what else it returns, untracked).
+fn norm_node<B: NormBackend, C: CheckpointStrategy, const K: usize>(
+    [x, gamma, beta]: [FloatTensor<Autodiff<B, C>>; 3],
+    epsilon: f64,
+    layout: Layout,
+    relu: bool,
+    train: impl FnOnce(FloatTensor<B>, FloatTensor<B>, FloatTensor<B>) -> [FloatTensor<B>; K],
+) -> [FloatTensor<Autodiff<B, C>>; K] {
+    #[derive(Debug)]
+    struct Norm;
+
+    #[derive(Debug)]
+    struct Retro<B> {
+        parents: [NodeId; 3],
+        epsilon: f64,
+        layout: Layout,
+        relu: bool,
+        _backend: PhantomData<B>,
+    }
+
+    impl<B: NormBackend> RetroForward for Retro<B> {
+        fn forward(&self, states: &mut BackwardStates, out_node: NodeId) {
+            let [x, gamma, beta] = self
+                .parents
+                .map(|id| states.get_state::<FloatTensor<B>>(&id));
+            let [y, _, _] =
+                B::batch_norm_train(x, gamma, beta, self.epsilon, self.layout, self.relu);
+            states.save(out_node, y)
         }
+    }
 
-        impl<B: NormBackend> RetroForward for Retro<B> {
-            fn forward(&self, states: &mut BackwardStates, out_node: NodeId) {
-                let [x, gamma, beta] = self
-                    .parents
-                    .map(|id| states.get_state::<FloatTensor<B>>(&id));
-                let [y, _, _] = B::batch_norm_train(x, gamma, beta, self.epsilon, self.layout);
-                states.save(out_node, y)
-            }
-        }
+    /// What the backward pass needs: the input, gamma and beta (checkpointed), the
+    /// batch mean and inverse deviation, and how the pass was made.
+    #[derive(Debug, Clone)]
+    struct State<T> {
+        x: NodeId,
+        gamma: NodeId,
+        beta: NodeId,
+        mean: T,
+        inv_std: T,
+        epsilon: f64,
+        layout: Layout,
+        relu: bool,
+    }
 
-        impl<B: NormBackend> Backward<B, 3> for Norm {
-            /// Input and gamma (checkpointed), batch mean, inverse deviation, epsilon,
-            /// layout.
-            type State = (NodeId, NodeId, FloatTensor<B>, FloatTensor<B>, f64, Layout);
+    impl<B: NormBackend> Backward<B, 3> for Norm {
+        type State = State<FloatTensor<B>>;
 
-            fn backward(
-                self,
-                ops: Ops<Self::State, 3>,
-                grads: &mut Gradients,
-                checkpointer: &mut Checkpointer,
-            ) {
-                let [node_x, node_gamma, node_beta] = ops.parents;
-                let dy = grads.consume::<B>(&ops.node);
-                let (x_state, gamma_state, mean, inv_std, epsilon, layout) = ops.state;
-                let x = checkpointer.retrieve_node_output::<FloatTensor<B>>(x_state);
-                let gamma = checkpointer.retrieve_node_output::<FloatTensor<B>>(gamma_state);
-                let [dx, dgamma, dbeta] =
-                    B::batch_norm_grad(x, gamma, mean, inv_std, dy, epsilon, layout);
-                for (node, grad) in [(node_x, dx), (node_gamma, dgamma), (node_beta, dbeta)] {
-                    if let Some(node) = node {
-                        grads.register::<B>(node.id, grad);
-                    }
+        fn backward(
+            self,
+            ops: Ops<Self::State, 3>,
+            grads: &mut Gradients,
+            checkpointer: &mut Checkpointer,
+        ) {
+            let [node_x, node_gamma, node_beta] = ops.parents;
+            let dy = grads.consume::<B>(&ops.node);
+            let s = ops.state;
+            let mut get = |id| checkpointer.retrieve_node_output::<FloatTensor<B>>(id);
+            let (x, gamma, beta) = (get(s.x), get(s.gamma), get(s.beta));
+            let stats = [s.mean, s.inv_std];
+            let [dx, dgamma, dbeta] =
+                B::batch_norm_grad(x, [gamma, beta], stats, dy, s.epsilon, s.layout, s.relu);
+            for (node, grad) in [(node_x, dx), (node_gamma, dgamma), (node_beta, dbeta)] {
+                if let Some(node) = node {
+                    grads.register::<B>(node.id, grad);
                 }
             }
         }
-
-        let retro = Retro::<B> {
-            parents: [x.node.id, gamma.node.id, beta.node.id],
-            epsilon,
-            layout,
-            _backend: PhantomData,
-        };
-        let train = |x, gamma, beta| B::batch_norm_train(x, gamma, beta, epsilon, layout);
-        match Norm
-            .prepare::<C>([x.node.clone(), gamma.node.clone(), beta.node.clone()])
-            .memory_bound()
-            .retro_forward(retro)
-            .parents([&x, &gamma, &beta])
-            .stateful()
-        {
-            OpsKind::Tracked(mut prep) => {
-                let x_state = prep.checkpoint(&x);
-                let gamma_state = prep.checkpoint(&gamma);
-                let [y, mean, inv_std] = train(x.primitive, gamma.primitive, beta.primitive);
-                let state = (
-                    x_state,
-                    gamma_state,
-                    mean.clone(),
-                    inv_std.clone(),
-                    epsilon,
-                    layout,
-                );
-                let y = prep.finish(state, y);
-                [y, Self::from_inner(mean), Self::from_inner(inv_std)]
-            }
-            OpsKind::UnTracked(prep) => {
-                let [y, mean, inv_std] = train(x.primitive, gamma.primitive, beta.primitive);
-                [
-                    prep.finish(y),
-                    Self::from_inner(mean),
-                    Self::from_inner(inv_std),
-                ]
-            }
-        }
     }
+
+    let retro = Retro::<B> {
+        parents: [x.node.id, gamma.node.id, beta.node.id],
+        epsilon,
+        layout,
+        relu,
+        _backend: PhantomData,
+    };
+    let outs = match Norm
+        .prepare::<C>([x.node.clone(), gamma.node.clone(), beta.node.clone()])
+        .memory_bound()
+        .retro_forward(retro)
+        .parents([&x, &gamma, &beta])
+        .stateful()
+    {
+        OpsKind::Tracked(mut prep) => {
+            let (x_state, gamma_state, beta_state) = (
+                prep.checkpoint(&x),
+                prep.checkpoint(&gamma),
+                prep.checkpoint(&beta),
+            );
+            let outs = train(x.primitive, gamma.primitive, beta.primitive);
+            let state = State {
+                x: x_state,
+                gamma: gamma_state,
+                beta: beta_state,
+                mean: outs[1].clone(),
+                inv_std: outs[2].clone(),
+                epsilon,
+                layout,
+                relu,
+            };
+            let mut outs = Vec::from(outs).into_iter();
+            let y = outs.next().expect("the output comes first");
+            let mut all = vec![prep.finish(state, y)];
+            all.extend(outs.map(Autodiff::<B, C>::from_inner));
+            all
+        }
+        OpsKind::UnTracked(prep) => {
+            let mut outs =
+                Vec::from(train(x.primitive, gamma.primitive, beta.primitive)).into_iter();
+            let y = outs.next().expect("the output comes first");
+            let mut all = vec![prep.finish(y)];
+            all.extend(outs.map(Autodiff::<B, C>::from_inner));
+            all
+        }
+    };
+    outs.try_into()
+        .unwrap_or_else(|_| unreachable!("as many outputs as the inner pass returned"))
 }
 
 #[cfg(test)]
@@ -332,8 +512,10 @@ mod tests {
 
     /// Two training steps' forward and backward through Burn's `BatchNorm` and
     /// through [`batch_norm`] from the same module, in both layouts: same outputs, same
-    /// gradients for the input, gamma and beta, same running statistics.
-    fn agrees_with_burn<B: NormBackend + AutodiffBackend>() {
+    /// gradients for the input, gamma and beta, same running statistics. With `relu`,
+    /// Burn's module and ReLU against the pass with the ReLU inside it; with `in_pass`,
+    /// the running statistics updated by the pass itself.
+    fn agrees_with_burn<B: NormBackend + AutodiffBackend>(relu: bool, in_pass: bool) {
         let _rng = rng_lock();
         let dev = Default::default();
         // A fresh module per run: clones share their running statistics.
@@ -354,12 +536,16 @@ mod tests {
                 let x = Tensor::<B, 4>::random([3, 5, 4, 6], Distribution::Normal(2.0, 3.0), &dev)
                     .add_scalar(step as f64)
                     .require_grad();
+                let pass = |x, layout| match relu || in_pass {
+                    true => train_pass_with(&bn, x, layout, relu, in_pass),
+                    false => batch_norm(&bn, x, layout),
+                };
                 let y = match ours {
-                    Some(Layout::Nchw) => batch_norm(&bn, x.clone(), Layout::Nchw),
+                    Some(Layout::Nchw) => pass(x.clone(), Layout::Nchw),
                     Some(Layout::Nhwc) => {
-                        batch_norm(&bn, x.clone().permute([0, 2, 3, 1]), Layout::Nhwc)
-                            .permute([0, 3, 1, 2])
+                        pass(x.clone().permute([0, 2, 3, 1]), Layout::Nhwc).permute([0, 3, 1, 2])
                     }
+                    None if relu => burn::tensor::activation::relu(bn.forward(x.clone())),
                     None => bn.forward(x.clone()),
                 };
                 // Weigh every output differently, so a misplaced gradient cannot pass.
@@ -406,17 +592,37 @@ mod tests {
                 ours[1][2].iter().any(|v| v.abs() > 1e-3),
                 "gamma gradients are all but zero"
             );
+            if relu {
+                // The ReLU cut somewhere, and let something through.
+                assert!(ours[1][0].contains(&0.0) && ours[1][0].iter().any(|&v| v > 0.0));
+            }
         }
     }
 
     #[test]
     fn batch_norm_matches_burns_module() {
-        agrees_with_burn::<TestBackend>();
+        agrees_with_burn::<TestBackend>(false, false);
     }
 
     #[test]
     fn batch_norm_matches_with_activation_recomputation() {
-        agrees_with_burn::<Autodiff<Flex, BalancedCheckpointing>>();
+        agrees_with_burn::<Autodiff<Flex, BalancedCheckpointing>>(false, false);
+    }
+
+    #[test]
+    fn batch_norm_updating_running_statistics_in_the_pass_matches_burns_module() {
+        agrees_with_burn::<TestBackend>(false, true);
+    }
+
+    #[test]
+    fn batch_norm_with_relu_inside_matches_burns_module_and_relu() {
+        agrees_with_burn::<TestBackend>(true, true);
+        agrees_with_burn::<TestBackend>(true, false);
+    }
+
+    #[test]
+    fn batch_norm_with_relu_inside_matches_with_activation_recomputation() {
+        agrees_with_burn::<Autodiff<Flex, BalancedCheckpointing>>(true, true);
     }
 
     /// Inference uses the running statistics, as Burn's module does, in either layout

@@ -10,9 +10,9 @@
 //!
 //! 1. per-channel partial sums, each cube over a slice of the rows (N·H·W) and a span
 //!    of channels, read along the channels so that loads coalesce;
-//! 2. one cube per span of channels adds the partial sums up (its rows of threads
-//!    share out the parts) and turns them into the statistics and the per-channel
-//!    coefficients of step 3;
+//! 2. one cube per vector of channels adds the partial sums up (its threads share out
+//!    the parts) and turns them into the statistics and the per-channel coefficients
+//!    of step 3;
 //! 3. one element-wise pass writes the output (forward) or the input's gradient.
 //!
 //! Forward sums are of `x - x[0, c]`: one shift per channel that every cube reads, so
@@ -43,6 +43,8 @@ pub(crate) fn enabled() -> bool {
 
 /// Threads per cube of the partial sums.
 const THREADS: u32 = 256;
+/// Threads per cube of the finishing kernels, all along the parts.
+const FINISH_THREADS: u32 = 256;
 /// Cubes of partial sums to aim for per SM, so that every SM has work and waits
 /// between loads are hidden.
 const CUBES_PER_SM: usize = 4;
@@ -62,6 +64,7 @@ struct Grid {
     /// may be shorter), and so partial sums per channel.
     parts: usize,
     rows_per_part: usize,
+    columns: usize,
 }
 
 impl Grid {
@@ -78,6 +81,7 @@ impl Grid {
             column_cubes: column_cubes as u32,
             parts: rows.div_ceil(rows_per_part).max(1),
             rows_per_part,
+            columns,
         }
     }
 
@@ -89,9 +93,16 @@ impl Grid {
         CubeDim::new_2d(self.x, self.y)
     }
 
-    /// The finishing kernels: the same cubes along the columns, one along the rows.
+    /// The finishing kernels: one cube per column, its threads sharing out the parts.
+    /// A cube per span of columns, its rows of threads each adding tens of parts one
+    /// load after another, took 14-20 µs per layer (1.8 ms of a ResNet-50 step on an
+    /// H200), waiting on memory with a few cubes on the whole GPU.
     fn finish_count(&self) -> CubeCount {
-        CubeCount::Static(self.column_cubes, 1, 1)
+        CubeCount::Static(self.columns.max(1) as u32, 1, 1)
+    }
+
+    fn finish_dim(&self) -> CubeDim {
+        CubeDim::new_2d(1, FINISH_THREADS)
     }
 }
 
@@ -216,9 +227,10 @@ fn stat_parts<F: Float, N: Size>(
     store_part::<N>(sum, square, sums, squares, column, columns, threads);
 }
 
-/// Forward step 2, per channel: the mean, `1 / sqrt(variance + epsilon)`, and the
-/// output's `scale` and `bias` (`y = x * scale + bias`). One cube per span of
-/// columns, as in step 1; its rows of threads share out the parts.
+/// Forward step 2, per channel: the mean, `1 / sqrt(variance + epsilon)`, the
+/// output's `scale` and `bias` (`y = x * scale + bias`), and with `running` the
+/// running statistics blended with the batch's. One cube per column (a vector of
+/// channels); its threads share out the parts.
 #[cube(launch)]
 fn stat_finish<F: Float, N: Size>(
     x: &Tensor<Vector<F, N>>,
@@ -230,11 +242,17 @@ fn stat_finish<F: Float, N: Size>(
     inv_std: &mut Tensor<Vector<f32, N>>,
     scale: &mut Tensor<Vector<f32, N>>,
     bias: &mut Tensor<Vector<f32, N>>,
+    running_mean: &Tensor<Vector<f32, N>>,
+    running_var: &Tensor<Vector<f32, N>>,
+    new_mean: &mut Tensor<Vector<f32, N>>,
+    new_var: &mut Tensor<Vector<f32, N>>,
     columns: usize,
     parts: usize,
     count: f32,
     epsilon: f32,
+    momentum: f32,
     #[comptime] threads: usize,
+    #[comptime] running: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let (c, read) = columns_of(columns);
@@ -254,10 +272,16 @@ fn stat_finish<F: Float, N: Size>(
         let k = gamma[c] * s;
         scale[c] = k;
         bias[c] = beta[c] - m * k;
+        if running {
+            let keep = Vector::<f32, N>::new(f32::new(1.0) - momentum);
+            let take = Vector::<f32, N>::new(momentum);
+            new_mean[c] = running_mean[c] * keep + m * take;
+            new_var[c] = running_var[c] * keep + variance * take;
+        }
     }
 }
 
-/// Forward step 3: `y = x * scale + bias` per channel.
+/// Forward step 3: `y = x * scale + bias` per channel, with `relu` then `max(y, 0)`.
 #[cube(launch)]
 fn normalize<F: Float, N: Size>(
     x: &Tensor<Vector<F, N>>,
@@ -266,6 +290,7 @@ fn normalize<F: Float, N: Size>(
     y: &mut Tensor<Vector<F, N>>,
     len: usize,
     columns: usize,
+    #[comptime] relu: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let i = ABSOLUTE_POS;
@@ -273,33 +298,65 @@ fn normalize<F: Float, N: Size>(
         terminate!();
     }
     let c = i % columns;
-    y[i] = Vector::cast_from(Vector::<f32, N>::cast_from(x[i]) * scale[c] + bias[c]);
+    let mut v = Vector::<f32, N>::cast_from(x[i]) * scale[c] + bias[c];
+    if relu {
+        v = max(v, Vector::<f32, N>::new(f32::new(0.0)));
+    }
+    y[i] = Vector::cast_from(v);
 }
 
-/// Backward step 1: per part, the sums of `dy` and of `dy * (x - mean)`.
+/// `dy`, with `relu` zero where the forward pass's `x * scale + bias` was not
+/// positive (where ReLU's output was zero): the same arithmetic as [`stat_finish`] and
+/// [`normalize`], so the same elements.
+#[cube]
+fn through_relu<N: Size>(
+    dy: Vector<f32, N>,
+    x: Vector<f32, N>,
+    scale: Vector<f32, N>,
+    bias: Vector<f32, N>,
+    #[comptime] relu: bool,
+) -> Vector<f32, N> {
+    let mut g = dy;
+    if relu {
+        let zero = Vector::<f32, N>::new(f32::new(0.0));
+        g = select_many((x * scale + bias).greater_than(zero), dy, zero);
+    }
+    g
+}
+
+/// Backward step 1: per part, the sums of `dy` and of `dy * (x - mean)` (`dy` through
+/// the ReLU with `relu`).
 #[cube(launch)]
 fn grad_parts<F: Float, N: Size>(
     x: &Tensor<Vector<F, N>>,
     dy: &Tensor<Vector<F, N>>,
+    gamma: &Tensor<Vector<f32, N>>,
+    beta: &Tensor<Vector<f32, N>>,
     mean: &Tensor<Vector<f32, N>>,
+    inv_std: &Tensor<Vector<f32, N>>,
     sums: &mut Tensor<Vector<f32, N>>,
     products: &mut Tensor<Vector<f32, N>>,
     rows: usize,
     columns: usize,
     rows_per_part: usize,
     #[comptime] threads: usize,
+    #[comptime] relu: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let (column, read) = columns_of(columns);
     let m = mean[read];
+    // The forward pass's coefficients, as `stat_finish` computed them.
+    let k = gamma[read] * inv_std[read];
+    let b = beta[read] - m * k;
     let mut sum = Vector::<f32, N>::new(f32::new(0.0));
     let mut product = Vector::<f32, N>::new(f32::new(0.0));
     let (mut row, end) = rows_of(rows, rows_per_part);
     while row < end {
         let i = row * columns + read;
-        let g = Vector::<f32, N>::cast_from(dy[i]);
+        let v = Vector::<f32, N>::cast_from(x[i]);
+        let g = through_relu::<N>(Vector::<f32, N>::cast_from(dy[i]), v, k, b, relu);
         sum += g;
-        product += g * (Vector::<f32, N>::cast_from(x[i]) - m);
+        product += g * (v - m);
         row += CUBE_DIM_Y as usize;
     }
     store_part::<N>(sum, product, sums, products, column, columns, threads);
@@ -339,11 +396,13 @@ fn grad_finish<N: Size>(
     }
 }
 
-/// Backward step 3: the input's gradient.
+/// Backward step 3: the input's gradient (`dy` through the ReLU with `relu`; `k_dy`
+/// is the forward pass's `scale`).
 #[cube(launch)]
 fn grad_input<F: Float, N: Size>(
     x: &Tensor<Vector<F, N>>,
     dy: &Tensor<Vector<F, N>>,
+    beta: &Tensor<Vector<f32, N>>,
     mean: &Tensor<Vector<f32, N>>,
     k_dy: &Tensor<Vector<f32, N>>,
     k_x: &Tensor<Vector<f32, N>>,
@@ -351,6 +410,7 @@ fn grad_input<F: Float, N: Size>(
     dx: &mut Tensor<Vector<F, N>>,
     len: usize,
     columns: usize,
+    #[comptime] relu: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let i = ABSOLUTE_POS;
@@ -358,9 +418,14 @@ fn grad_input<F: Float, N: Size>(
         terminate!();
     }
     let c = i % columns;
-    let centered = Vector::<f32, N>::cast_from(x[i]) - mean[c];
-    let g = Vector::<f32, N>::cast_from(dy[i]);
-    dx[i] = Vector::cast_from(g * k_dy[c] + centered * k_x[c] + k_1[c]);
+    let v = Vector::<f32, N>::cast_from(x[i]);
+    let m = mean[c];
+    let k = k_dy[c];
+    let mut g = Vector::<f32, N>::cast_from(dy[i]);
+    if relu {
+        g = through_relu::<N>(g, v, k, beta[c] - m * k, relu);
+    }
+    dx[i] = Vector::cast_from(g * k + (v - m) * k_x[c] + k_1[c]);
 }
 
 /// A channels-last input, contiguous, seen as `[rows, channels]`, and how the kernels
@@ -446,15 +511,40 @@ pub(crate) fn widest_vector(offered: impl Iterator<Item = usize>, channels: usiz
 }
 
 /// [`NormBackend::batch_norm_train`](crate::ops::NormBackend) for a channels-last `x`
-/// (`[N, H, W, C]`, f32, bf16 or fp16) and f32 `gamma`, `beta`; `None` where these
-/// kernels do not apply.
+/// (`[N, H, W, C]`, f32, bf16 or fp16) and f32 `gamma`, `beta`, with `relu` a ReLU
+/// after it in the same pass; `None` where these kernels do not apply.
 pub(crate) fn train<R: CubeRuntime>(
     x: &CubeTensor<R>,
     gamma: &CubeTensor<R>,
     beta: &CubeTensor<R>,
     epsilon: f64,
+    relu: bool,
 ) -> Option<[CubeTensor<R>; 3]> {
-    let plan = Plan::new(x, &[gamma, beta])?;
+    let [y, mean, inv_std, _, _] = train_running(x, gamma, beta, epsilon, relu, None)?;
+    Some([y, mean, inv_std])
+}
+
+/// [`train`], with `running` (mean, variance, momentum) also the running statistics
+/// blended with the batch's (`NormBackend::batch_norm_train_running`), returned last;
+/// without it, the last two are scratch.
+pub(crate) fn train_running<R: CubeRuntime>(
+    x: &CubeTensor<R>,
+    gamma: &CubeTensor<R>,
+    beta: &CubeTensor<R>,
+    epsilon: f64,
+    relu: bool,
+    running: Option<([&CubeTensor<R>; 2], f64)>,
+) -> Option<[CubeTensor<R>; 5]> {
+    let given = running.as_ref().map_or(vec![], |(r, _)| r.to_vec());
+    let plan = Plan::new(x, &[&[gamma, beta][..], &given].concat())?;
+    let (old_mean, old_var, momentum) = match running {
+        Some(([m, v], momentum)) => (
+            into_contiguous(m.clone()),
+            into_contiguous(v.clone()),
+            momentum,
+        ),
+        None => (gamma.clone(), beta.clone(), 0.0),
+    };
     let (gamma, beta) = (
         into_contiguous(gamma.clone()),
         into_contiguous(beta.clone()),
@@ -477,11 +567,11 @@ pub(crate) fn train<R: CubeRuntime>(
         THREADS as usize,
         dtype,
     );
-    let [mean, inv_std, scale, bias] = plan.f32s(plan.channels);
+    let [mean, inv_std, scale, bias, new_mean, new_var] = plan.f32s(plan.channels);
     stat_finish::launch::<R>(
         &client,
         g.finish_count(),
-        g.dim(),
+        g.finish_dim(),
         plan.vector,
         plan.x.clone().into_tensor_arg(),
         sums.into_tensor_arg(),
@@ -492,11 +582,17 @@ pub(crate) fn train<R: CubeRuntime>(
         inv_std.clone().into_tensor_arg(),
         scale.clone().into_tensor_arg(),
         bias.clone().into_tensor_arg(),
+        old_mean.into_tensor_arg(),
+        old_var.into_tensor_arg(),
+        new_mean.clone().into_tensor_arg(),
+        new_var.clone().into_tensor_arg(),
         columns,
         g.parts,
         plan.rows as f32,
         epsilon as f32,
-        THREADS as usize,
+        momentum as f32,
+        FINISH_THREADS as usize,
+        running.is_some(),
         dtype,
     );
     let y = plan.empty(plan.x.meta.shape().clone(), plan.x.dtype);
@@ -512,26 +608,28 @@ pub(crate) fn train<R: CubeRuntime>(
         y.clone().into_tensor_arg(),
         len,
         columns,
+        relu,
         dtype,
     );
-    Some([y, mean, inv_std])
+    Some([y, mean, inv_std, new_mean, new_var])
 }
 
 /// [`NormBackend::batch_norm_grad`](crate::ops::NormBackend) for the inputs of
-/// [`train`], its statistics and the output's gradient `dy` (`x`'s shape and dtype);
-/// `None` where these kernels do not apply.
+/// [`train`] (and its `relu`), its statistics and the output's gradient `dy` (`x`'s
+/// shape and dtype); `None` where these kernels do not apply.
 pub(crate) fn grad<R: CubeRuntime>(
     x: &CubeTensor<R>,
-    gamma: &CubeTensor<R>,
-    mean: &CubeTensor<R>,
-    inv_std: &CubeTensor<R>,
+    [gamma, beta]: [&CubeTensor<R>; 2],
+    [mean, inv_std]: [&CubeTensor<R>; 2],
     dy: &CubeTensor<R>,
+    relu: bool,
 ) -> Option<[CubeTensor<R>; 3]> {
     if dy.dtype != x.dtype || dy.meta.shape() != x.meta.shape() {
         return None;
     }
-    let plan = Plan::new(x, &[gamma, mean, inv_std])?;
-    let [gamma, mean, inv_std, dy] = [gamma, mean, inv_std, dy].map(|t| into_contiguous(t.clone()));
+    let plan = Plan::new(x, &[gamma, beta, mean, inv_std])?;
+    let [gamma, beta, mean, inv_std, dy] =
+        [gamma, beta, mean, inv_std, dy].map(|t| into_contiguous(t.clone()));
     let client = plan.x.client.clone();
     let dtype: StorageType = plan.x.dtype.into();
     let (g, columns) = (plan.grid, plan.columns());
@@ -543,20 +641,24 @@ pub(crate) fn grad<R: CubeRuntime>(
         plan.vector,
         plan.x.clone().into_tensor_arg(),
         dy.clone().into_tensor_arg(),
+        gamma.clone().into_tensor_arg(),
+        beta.clone().into_tensor_arg(),
         mean.clone().into_tensor_arg(),
+        inv_std.clone().into_tensor_arg(),
         sums.clone().into_tensor_arg(),
         products.clone().into_tensor_arg(),
         plan.rows,
         columns,
         g.rows_per_part,
         THREADS as usize,
+        relu,
         dtype,
     );
     let [d_gamma, d_beta, k_dy, k_x, k_1] = plan.f32s(plan.channels);
     grad_finish::launch::<R>(
         &client,
         g.finish_count(),
-        g.dim(),
+        g.finish_dim(),
         plan.vector,
         sums.into_tensor_arg(),
         products.into_tensor_arg(),
@@ -570,7 +672,7 @@ pub(crate) fn grad<R: CubeRuntime>(
         columns,
         g.parts,
         plan.rows as f32,
-        THREADS as usize,
+        FINISH_THREADS as usize,
     );
     let dx = plan.empty(plan.x.meta.shape().clone(), plan.x.dtype);
     let (count, dim, len) = plan.per_vector();
@@ -581,6 +683,7 @@ pub(crate) fn grad<R: CubeRuntime>(
         plan.vector,
         plan.x.clone().into_tensor_arg(),
         dy.into_tensor_arg(),
+        beta.into_tensor_arg(),
         mean.into_tensor_arg(),
         k_dy.into_tensor_arg(),
         k_x.into_tensor_arg(),
@@ -588,6 +691,7 @@ pub(crate) fn grad<R: CubeRuntime>(
         dx.clone().into_tensor_arg(),
         len,
         columns,
+        relu,
         dtype,
     );
     Some([dx, d_gamma, d_beta])

@@ -153,6 +153,8 @@ impl<B: FusionBackend + ConvBackend> ConvBackend for Fusion<B> {
 #[derive(Debug)]
 enum NormPart {
     Train,
+    /// With the running statistics' update, and its momentum.
+    TrainRunning(f64),
     Grad,
 }
 
@@ -162,6 +164,7 @@ struct NormOp<B> {
     part: NormPart,
     epsilon: f64,
     layout: Layout,
+    relu: bool,
     _backend: PhantomData<B>,
 }
 
@@ -172,32 +175,43 @@ impl<B: FusionBackend + NormBackend> Operation<B::FusionRuntime> for NormOp<B> {
     ) {
         let inputs = &self.desc.inputs;
         let mut get = |i: usize| handles.get_float_tensor::<B>(&inputs[i]);
-        let (epsilon, layout) = (self.epsilon, self.layout);
+        let (epsilon, layout, relu) = (self.epsilon, self.layout, self.relu);
         let results = match self.part {
-            NormPart::Train => B::batch_norm_train(get(0), get(1), get(2), epsilon, layout),
+            NormPart::Train => {
+                B::batch_norm_train(get(0), get(1), get(2), epsilon, layout, relu).into()
+            }
+            NormPart::TrainRunning(momentum) => {
+                let (x, gamma, beta, running) = (get(0), get(1), get(2), [get(3), get(4)]);
+                let how = (epsilon, layout, relu);
+                B::batch_norm_train_running(x, gamma, beta, how.0, how.1, how.2, running, momentum)
+                    .into()
+            }
             NormPart::Grad => {
-                B::batch_norm_grad(get(0), get(1), get(2), get(3), get(4), epsilon, layout)
+                let (x, params) = (get(0), [get(1), get(2)]);
+                let stats = [get(3), get(4)];
+                B::batch_norm_grad(x, params, stats, get(5), epsilon, layout, relu).into()
             }
         };
+        let results: Vec<FloatTensor<B>> = results;
         for (out, result) in self.desc.outputs.iter().zip(results) {
             handles.register_float_tensor::<B>(&out.id, result);
         }
     }
 }
 
-fn register_norm<B: FusionBackend + NormBackend>(
+fn register_norm<B: FusionBackend + NormBackend, const K: usize>(
     part: NormPart,
     name: &'static str,
     inputs: Vec<FusionTensor<B::FusionRuntime>>,
     outputs: Vec<(Shape, DType)>,
-    epsilon: f64,
-    layout: Layout,
-) -> [FusionTensor<B::FusionRuntime>; 3] {
+    (epsilon, layout, relu): (f64, Layout, bool),
+) -> [FusionTensor<B::FusionRuntime>; K] {
     register::<B, _>(name, inputs, outputs, |desc| NormOp::<B> {
         desc,
         part,
         epsilon,
         layout,
+        relu,
         _backend: PhantomData,
     })
     .outputs()
@@ -208,43 +222,60 @@ fn register_norm<B: FusionBackend + NormBackend>(
 impl<B: FusionBackend> ActivationBackend for Fusion<B> {}
 
 impl<B: FusionBackend + NormBackend> NormBackend for Fusion<B> {
+    fn fuses_norm_epilogue(layout: Layout) -> bool {
+        B::fuses_norm_epilogue(layout)
+    }
+
     fn batch_norm_train(
         x: FloatTensor<Self>,
         gamma: FloatTensor<Self>,
         beta: FloatTensor<Self>,
         epsilon: f64,
         layout: Layout,
+        relu: bool,
     ) -> [FloatTensor<Self>; 3] {
         let y = (x.shape.clone(), x.dtype);
         let stat = (gamma.shape.clone(), gamma.dtype);
         let outputs = vec![y, stat.clone(), stat];
         let inputs = vec![x, gamma, beta];
-        let part = NormPart::Train;
-        register_norm::<B>(part, "kiln_batch_norm", inputs, outputs, epsilon, layout)
+        let how = (epsilon, layout, relu);
+        register_norm::<B, 3>(NormPart::Train, "kiln_batch_norm", inputs, outputs, how)
+    }
+
+    fn batch_norm_train_running(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        epsilon: f64,
+        layout: Layout,
+        relu: bool,
+        [running_mean, running_var]: [FloatTensor<Self>; 2],
+        momentum: f64,
+    ) -> [FloatTensor<Self>; 5] {
+        let y = (x.shape.clone(), x.dtype);
+        let stat = (gamma.shape.clone(), gamma.dtype);
+        let outputs = vec![y, stat.clone(), stat.clone(), stat.clone(), stat];
+        let inputs = vec![x, gamma, beta, running_mean, running_var];
+        let part = NormPart::TrainRunning(momentum);
+        let how = (epsilon, layout, relu);
+        register_norm::<B, 5>(part, "kiln_batch_norm_running", inputs, outputs, how)
     }
 
     fn batch_norm_grad(
         x: FloatTensor<Self>,
-        gamma: FloatTensor<Self>,
-        mean: FloatTensor<Self>,
-        inv_std: FloatTensor<Self>,
+        [gamma, beta]: [FloatTensor<Self>; 2],
+        [mean, inv_std]: [FloatTensor<Self>; 2],
         dy: FloatTensor<Self>,
         epsilon: f64,
         layout: Layout,
+        relu: bool,
     ) -> [FloatTensor<Self>; 3] {
         let dx = (x.shape.clone(), x.dtype);
         let param = (gamma.shape.clone(), gamma.dtype);
         let outputs = vec![dx, param.clone(), param];
-        let inputs = vec![x, gamma, mean, inv_std, dy];
-        let part = NormPart::Grad;
-        register_norm::<B>(
-            part,
-            "kiln_batch_norm_grad",
-            inputs,
-            outputs,
-            epsilon,
-            layout,
-        )
+        let inputs = vec![x, gamma, beta, mean, inv_std, dy];
+        let how = (epsilon, layout, relu);
+        register_norm::<B, 3>(NormPart::Grad, "kiln_batch_norm_grad", inputs, outputs, how)
     }
 }
 

@@ -20,7 +20,7 @@ use super::{
     Dnn, Planned, Tensor, data_type, dims, has_symbols, on_cudnn_planned, tensor_format, warn_once,
     write_scaling,
 };
-use crate::ops::norm::{grad_reference, train_reference};
+use crate::ops::norm::{blend_reference, grad_reference, relu_grad_reference, train_reference};
 use crate::ops::{Layout, LibraryCall, NormBackend};
 
 static BATCH_NORM: AtomicBool = AtomicBool::new(false);
@@ -492,48 +492,95 @@ fn norm_through_cudnn(run: impl FnOnce() -> Result<[Tensor; 3], String>) -> Opti
 }
 
 /// Channels-last layers on kiln's own kernels where they are on (`channels_last_norm`),
-/// then cuDNN where it is on, then Burn's operations.
+/// then cuDNN where it is on, then Burn's operations. A ReLU is fused only into kiln's
+/// kernels; elsewhere it runs beside the layer.
 impl<F: FloatElement, I: IntElement, BT: BoolElement> NormBackend
     for CubeBackend<CudaRuntime, F, I, BT>
 {
+    fn fuses_norm_epilogue(layout: Layout) -> bool {
+        layout == Layout::Nhwc && channels_last_norm::enabled()
+    }
+
     fn batch_norm_train(
         x: FloatTensor<Self>,
         gamma: FloatTensor<Self>,
         beta: FloatTensor<Self>,
         epsilon: f64,
         layout: Layout,
+        relu: bool,
     ) -> [FloatTensor<Self>; 3] {
         if layout == Layout::Nhwc
             && channels_last_norm::enabled()
-            && let Some(out) = channels_last_norm::train(&x, &gamma, &beta, epsilon)
+            && let Some(out) = channels_last_norm::train(&x, &gamma, &beta, epsilon, relu)
         {
             return out;
         }
-        match norm_through_cudnn(|| norm_train(&x, &gamma, &beta, epsilon, layout)) {
-            Some(out) => out,
-            None => train_reference::<Self>(x, gamma, beta, epsilon, layout),
+        let [y, mean, inv_std] =
+            match norm_through_cudnn(|| norm_train(&x, &gamma, &beta, epsilon, layout)) {
+                Some(out) => out,
+                None => train_reference::<Self>(x, gamma, beta, epsilon, layout, false),
+            };
+        let y = if relu {
+            <Self as burn::tensor::ops::ActivationOps<Self>>::relu(y)
+        } else {
+            y
+        };
+        [y, mean, inv_std]
+    }
+
+    fn batch_norm_train_running(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        epsilon: f64,
+        layout: Layout,
+        relu: bool,
+        running: [FloatTensor<Self>; 2],
+        momentum: f64,
+    ) -> [FloatTensor<Self>; 5] {
+        if layout == Layout::Nhwc && channels_last_norm::enabled() {
+            let given = Some(([&running[0], &running[1]], momentum));
+            if let Some(out) =
+                channels_last_norm::train_running(&x, &gamma, &beta, epsilon, relu, given)
+            {
+                return out;
+            }
         }
+        let [y, mean, inv_std] = Self::batch_norm_train(x, gamma, beta, epsilon, layout, relu);
+        let stats = [mean.clone(), inv_std.clone()];
+        let [rm, rv] = blend_reference::<Self>(running, stats, epsilon, momentum);
+        [y, mean, inv_std, rm, rv]
     }
 
     fn batch_norm_grad(
         x: FloatTensor<Self>,
-        gamma: FloatTensor<Self>,
-        mean: FloatTensor<Self>,
-        inv_std: FloatTensor<Self>,
+        [gamma, beta]: [FloatTensor<Self>; 2],
+        [mean, inv_std]: [FloatTensor<Self>; 2],
         dy: FloatTensor<Self>,
         epsilon: f64,
         layout: Layout,
+        relu: bool,
     ) -> [FloatTensor<Self>; 3] {
         if layout == Layout::Nhwc
             && channels_last_norm::enabled()
-            && let Some(out) = channels_last_norm::grad(&x, &gamma, &mean, &inv_std, &dy)
+            && let Some(out) =
+                channels_last_norm::grad(&x, [&gamma, &beta], [&mean, &inv_std], &dy, relu)
         {
             return out;
         }
+        let dy = if relu {
+            let stats = [mean.clone(), inv_std.clone()];
+            relu_grad_reference::<Self>(x.clone(), [gamma.clone(), beta.clone()], stats, dy, layout)
+        } else {
+            dy
+        };
         let cudnn = || norm_grad(&x, &gamma, &mean, &inv_std, &dy, epsilon, layout);
         match norm_through_cudnn(cudnn) {
             Some(out) => out,
-            None => grad_reference::<Self>(x, gamma, mean, inv_std, dy, layout),
+            None => {
+                let stats = [mean, inv_std];
+                grad_reference::<Self>(x, [gamma, beta], stats, dy, layout, false)
+            }
         }
     }
 }
@@ -564,15 +611,17 @@ mod tests {
         ChannelsLast,
     }
 
-    /// Batch norm's output, statistics and gradients through autodiff and fusion, on
-    /// an input of mean `center` in `layout` and `dtype` (the parameters and
-    /// statistics are f32).
+    /// Batch norm's output, statistics, updated running statistics and gradients
+    /// through autodiff and fusion, on an input of mean `center` in `layout` and
+    /// `dtype` (the parameters and statistics are f32). With `relu`, a ReLU follows: passed to the layer, or for
+    /// [`Kernels::Burn`] Burn's own ReLU after it.
     fn norm(
         kernels: Kernels,
         layout: Layout,
         dtype: FloatDType,
         [batch, channels]: [usize; 2],
         center: f64,
+        relu: bool,
     ) -> Vec<Vec<f32>> {
         set_batch_norm(kernels == Kernels::Cudnn);
         channels_last_norm::set_enabled(kernels == Kernels::ChannelsLast);
@@ -587,14 +636,26 @@ mod tests {
         let beta = T::<B, 1>::random([channels], normal(0.0, 0.5), &dev);
         let (x, gamma, beta) = (x.require_grad(), gamma.require_grad(), beta.require_grad());
         let p = |t: T<B, 1>| t.into_primitive().tensor();
-        let [y, mean, inv_std] = B::batch_norm_train(
+        let running = [
+            T::<B, 1>::random([channels], normal(0.5, 0.5), &dev),
+            T::<B, 1>::random([channels], normal(2.0, 0.5), &dev).abs(),
+        ];
+        let [y, mean, inv_std, running_mean, running_var] = B::batch_norm_train_running(
             x.clone().into_primitive().tensor(),
             p(gamma.clone()),
             p(beta.clone()),
             1e-5,
             layout,
+            relu && kernels != Kernels::Burn,
+            running.map(p),
+            0.1,
         );
         let y = T::<B, 4>::from_primitive(burn::tensor::TensorPrimitive::Float(y));
+        let y = if relu && kernels == Kernels::Burn {
+            burn::tensor::activation::relu(y)
+        } else {
+            y
+        };
         assert_eq!(y.dtype(), dtype.into());
         let stat = |t| T::<B, 1>::from_primitive(burn::tensor::TensorPrimitive::Float(t));
         let n = y.shape().num_elements() as i64;
@@ -608,6 +669,8 @@ mod tests {
             v(y.into_data()),
             v(stat(mean).into_data()),
             v(stat(inv_std).into_data()),
+            v(stat(running_mean).into_data()),
+            v(stat(running_var).into_data()),
             v(x.grad(&grads).unwrap().into_data()),
             v(gamma.grad(&grads).unwrap().into_data()),
             v(beta.grad(&grads).unwrap().into_data()),
@@ -622,26 +685,29 @@ mod tests {
         cases: &[(Layout, FloatDType, f32)],
         shapes: &[[usize; 2]],
         center: f64,
+        relu: bool,
     ) {
         let names = [
             "output",
             "mean",
             "inverse deviation",
+            "running mean",
+            "running variance",
             "x grad",
             "gamma grad",
             "beta grad",
         ];
         for &(layout, dtype, tol) in cases {
             for &shape in shapes {
-                let ours = norm(kernels, layout, dtype, shape, center);
-                let burn = norm(Kernels::Burn, layout, dtype, shape, center);
+                let ours = norm(kernels, layout, dtype, shape, center, relu);
+                let burn = norm(Kernels::Burn, layout, dtype, shape, center, relu);
                 let c = shape[1];
                 for (name, (a, b)) in names.iter().zip(ours.iter().zip(&burn)) {
                     let rel = rel_diff(a, b);
                     assert!(
                         rel < tol,
-                        "{kernels:?} {layout:?} {dtype:?} {c} channels, mean {center}: {name} \
-                         differs by {rel} relative"
+                        "{kernels:?} {layout:?} {dtype:?} {c} channels, mean {center}, relu \
+                         {relu}: {name} differs by {rel} relative"
                     );
                 }
             }
@@ -664,12 +730,15 @@ mod tests {
         // parts of partial sums than the finishing cube has rows of threads (32,256
         // rows), and an input whose mean is far from zero against its spread.
         let shapes = [[6, 5], [6, 16], [6, 520], [512, 16]];
-        compare(Kernels::ChannelsLast, &CHANNELS_LAST, &shapes, 1.0);
+        for relu in [false, true] {
+            compare(Kernels::ChannelsLast, &CHANNELS_LAST, &shapes, 1.0, relu);
+        }
         compare(
             Kernels::ChannelsLast,
             &CHANNELS_LAST[..1],
             &[[6, 16]],
             300.0,
+            false,
         );
     }
 
@@ -686,6 +755,8 @@ mod tests {
             (Layout::Nhwc, FloatDType::F16, 5e-3),
         ];
         // An odd channel count and one cuDNN's NHWC kernels can vectorise.
-        compare(Kernels::Cudnn, &cases, &[[6, 5], [6, 16]], 1.0);
+        for relu in [false, true] {
+            compare(Kernels::Cudnn, &cases, &[[6, 5], [6, 16]], 1.0, relu);
+        }
     }
 }
