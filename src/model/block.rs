@@ -1,7 +1,7 @@
 //! Residual blocks: the basic two-3x3 block (ResNet-18/34 and the CIFAR ResNets) and
 //! the 1x1-3x3-1x1 bottleneck (ResNet-50, stride on the 3x3 as torchvision's v1.5).
 
-use crate::ops::{ModelBackend, batch_norm, batch_norm_relu, relu};
+use crate::ops::{ModelBackend, batch_norm, batch_norm_add_relu, batch_norm_relu};
 use burn::module::Module;
 use burn::nn::conv::{Conv2d, Conv2dConfig};
 use burn::nn::{BatchNorm, BatchNormConfig, Initializer, PaddingConfig2d};
@@ -95,8 +95,8 @@ impl<B: ModelBackend> Basic<B> {
             None => x.clone(),
         };
         let y = batch_norm_relu(&self.bn1, precision::conv(&self.conv1, x, c), c.layout);
-        let y = batch_norm(&self.bn2, precision::conv(&self.conv2, y, c), c.layout);
-        relu(y + identity)
+        let y = precision::conv(&self.conv2, y, c);
+        batch_norm_add_relu(&self.bn2, y, identity, c.layout)
     }
 }
 
@@ -134,8 +134,8 @@ impl<B: ModelBackend> Bottleneck<B> {
         };
         let y = batch_norm_relu(&self.bn1, precision::conv(&self.conv1, x, c), c.layout);
         let y = batch_norm_relu(&self.bn2, precision::conv(&self.conv2, y, c), c.layout);
-        let y = batch_norm(&self.bn3, precision::conv(&self.conv3, y, c), c.layout);
-        relu(y + identity)
+        let y = precision::conv(&self.conv3, y, c);
+        batch_norm_add_relu(&self.bn3, y, identity, c.layout)
     }
 }
 

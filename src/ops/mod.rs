@@ -15,7 +15,7 @@ pub mod sgd;
 mod upload;
 mod waits;
 
-pub use activation::{ActivationBackend, relu};
+pub use activation::ActivationBackend;
 pub use collective::{CollectiveBackend, Comm};
 pub use conv::{ConvBackend, conv2d};
 pub use layout::Layout;
@@ -26,7 +26,7 @@ pub use collective::DeviceComm;
 pub use conv::ConvPass;
 #[cfg(feature = "cuda")]
 pub(crate) use layout::conv2d_output_dims;
-pub use norm::{NormBackend, batch_norm, batch_norm_relu};
+pub use norm::{NormBackend, batch_norm, batch_norm_add_relu, batch_norm_relu};
 pub use sgd::{SgdBackend, SgdStep};
 pub use upload::{UploadBackend, upload_f32};
 pub use waits::{KilnWaits, LibraryCall, kiln_waits};

@@ -12,7 +12,7 @@ use burn::backend::autodiff::NodeId;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::retro_forward::RetroForward;
 use burn::backend::autodiff::checkpoint::state::BackwardStates;
-use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::checkpoint::strategy::{CheckpointStrategy, NoCheckpointing};
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::flex::Flex;
@@ -83,15 +83,88 @@ pub trait NormBackend: Backend {
         [y, mean, inv_std, rm, rv]
     }
 
+    /// `relu(batch_norm(x) + residual)`, a residual block's end (`residual` of `x`'s
+    /// shape and dtype), with the running statistics' update
+    /// ([`NormBackend::batch_norm_train_running`]): returns the output, mean, inverse
+    /// deviation, new running mean and variance.
+    #[allow(clippy::too_many_arguments)]
+    fn batch_norm_add_relu_train(
+        x: FloatTensor<Self>,
+        residual: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        epsilon: f64,
+        layout: Layout,
+        running: [FloatTensor<Self>; 2],
+        momentum: f64,
+    ) -> [FloatTensor<Self>; 5] {
+        add_relu_train_reference::<Self>(
+            x, residual, gamma, beta, epsilon, layout, running, momentum,
+        )
+    }
+
+    /// The gradients of [`NormBackend::batch_norm_add_relu_train`] given its output
+    /// `out` and `out`'s gradient: the input's, gamma's, beta's and the residual's.
+    #[allow(clippy::too_many_arguments)]
+    fn batch_norm_add_relu_grad(
+        x: FloatTensor<Self>,
+        out: FloatTensor<Self>,
+        params: [FloatTensor<Self>; 2],
+        stats: [FloatTensor<Self>; 2],
+        dout: FloatTensor<Self>,
+        epsilon: f64,
+        layout: Layout,
+    ) -> [FloatTensor<Self>; 4] {
+        add_relu_grad_reference::<Self>(x, out, params, stats, dout, epsilon, layout)
+    }
+
     /// Whether the training pass of a layer in `layout` is better given the ReLU after
     /// it (`relu`) and the running statistics' update
     /// ([`NormBackend::batch_norm_train_running`]) than followed by them: where the
     /// backend's kernels do them in the same pass, which saves a read and a write of
-    /// the activation each way and a dozen small operations per layer.
+    /// the activation each way and a dozen small operations per layer; at a residual
+    /// block's end, the addition too ([`NormBackend::batch_norm_add_relu_train`]).
     fn fuses_norm_epilogue(layout: Layout) -> bool {
         let _ = layout;
         false
     }
+}
+
+/// [`NormBackend::batch_norm_add_relu_train`] as the layer's pass, an addition and a
+/// ReLU.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn add_relu_train_reference<B: NormBackend>(
+    x: FloatTensor<B>,
+    residual: FloatTensor<B>,
+    gamma: FloatTensor<B>,
+    beta: FloatTensor<B>,
+    epsilon: f64,
+    layout: Layout,
+    running: [FloatTensor<B>; 2],
+    momentum: f64,
+) -> [FloatTensor<B>; 5] {
+    let [y, mean, inv_std, rm, rv] =
+        B::batch_norm_train_running(x, gamma, beta, epsilon, layout, false, running, momentum);
+    let out = burn::tensor::activation::relu(tensor::<B, 4>(y) + tensor(residual));
+    [primitive(out), mean, inv_std, rm, rv]
+}
+
+/// [`NormBackend::batch_norm_add_relu_grad`] as the ReLU's mask by its output, then
+/// the layer's gradients.
+pub(crate) fn add_relu_grad_reference<B: NormBackend>(
+    x: FloatTensor<B>,
+    out: FloatTensor<B>,
+    params: [FloatTensor<B>; 2],
+    stats: [FloatTensor<B>; 2],
+    dout: FloatTensor<B>,
+    epsilon: f64,
+    layout: Layout,
+) -> [FloatTensor<B>; 4] {
+    let cut = tensor::<B, 4>(out).lower_equal_elem(0.0);
+    let g = primitive(tensor::<B, 4>(dout).mask_fill(cut, 0.0));
+    let [dx, dgamma, dbeta] =
+        B::batch_norm_grad(x, params, stats, g.clone(), epsilon, layout, false);
+    [dx, dgamma, dbeta, g]
 }
 
 /// The running statistics blended with a batch's mean and inverse deviation, in Burn's
@@ -270,6 +343,46 @@ pub fn batch_norm_relu<B: NormBackend + ActivationBackend>(
     relu(batch_norm(bn, x, layout))
 }
 
+/// `relu(batch_norm(bn, x, layout) + residual)`, a residual block's end, in one pass
+/// where the backend has one ([`NormBackend::fuses_norm_epilogue`]).
+pub fn batch_norm_add_relu<B: NormBackend + ActivationBackend>(
+    bn: &BatchNorm<B>,
+    x: Tensor<B, 4>,
+    residual: Tensor<B, 4>,
+    layout: Layout,
+) -> Tensor<B, 4> {
+    if !(B::fuses_norm_epilogue(layout) && B::ad_enabled(&x.device())) {
+        return relu(batch_norm(bn, x, layout) + residual);
+    }
+    add_relu_pass(bn, x, residual, layout)
+}
+
+/// [`batch_norm_add_relu`]'s training pass in one operation, and the running
+/// statistics' update.
+pub(crate) fn add_relu_pass<B: NormBackend>(
+    bn: &BatchNorm<B>,
+    x: Tensor<B, 4>,
+    residual: Tensor<B, 4>,
+    layout: Layout,
+) -> Tensor<B, 4> {
+    let device = x.device();
+    let running =
+        [&bn.running_mean, &bn.running_var].map(|r| primitive(r.value_sync().to_device(&device)));
+    let [out, _, _, mean, var] = B::batch_norm_add_relu_train(
+        primitive(x),
+        primitive(residual),
+        primitive(bn.gamma.val()),
+        primitive(bn.beta.val()),
+        bn.epsilon,
+        layout,
+        running,
+        bn.momentum,
+    );
+    bn.running_mean.update(tensor::<B, 1>(mean).detach());
+    bn.running_var.update(tensor::<B, 1>(var).detach());
+    tensor(out)
+}
+
 /// The training pass of [`batch_norm`] (with `relu`, of [`batch_norm_relu`]) and the
 /// running statistics' update: in the pass where the backend fuses it.
 fn train_pass<B: NormBackend>(
@@ -373,6 +486,158 @@ impl<B: NormBackend, C: CheckpointStrategy> NormBackend for Autodiff<B, C> {
             B::batch_norm_train_running(x, gamma, beta, epsilon, layout, relu, running, momentum)
         };
         norm_node::<B, C, 5>([x, gamma, beta], epsilon, layout, relu, train)
+    }
+
+    fn batch_norm_add_relu_train(
+        x: FloatTensor<Self>,
+        residual: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        epsilon: f64,
+        layout: Layout,
+        running: [FloatTensor<Self>; 2],
+        momentum: f64,
+    ) -> [FloatTensor<Self>; 5] {
+        add_relu_node::<B, C>(
+            [x, residual, gamma, beta],
+            epsilon,
+            layout,
+            running,
+            momentum,
+        )
+    }
+}
+
+/// [`NormBackend::batch_norm_add_relu_train`] as one node that keeps the input and the
+/// output (the next layer keeps that anyway), or under activation recomputation the
+/// same arithmetic as separate nodes.
+fn add_relu_node<B: NormBackend, C: CheckpointStrategy>(
+    [x, residual, gamma, beta]: [FloatTensor<Autodiff<B, C>>; 4],
+    epsilon: f64,
+    layout: Layout,
+    [running_mean, running_var]: [FloatTensor<Autodiff<B, C>>; 2],
+    momentum: f64,
+) -> [FloatTensor<Autodiff<B, C>>; 5] {
+    type A<B, C> = Autodiff<B, C>;
+    if std::any::TypeId::of::<C>() != std::any::TypeId::of::<NoCheckpointing>() {
+        let [y, mean, inv_std, rm, rv] = A::<B, C>::batch_norm_train_running(
+            x,
+            gamma,
+            beta,
+            epsilon,
+            layout,
+            false,
+            [running_mean, running_var],
+            momentum,
+        );
+        let out = burn::tensor::activation::relu(tensor::<A<B, C>, 4>(y) + tensor(residual));
+        return [primitive(out), mean, inv_std, rm, rv];
+    }
+
+    #[derive(Debug)]
+    struct NormAddRelu;
+
+    #[derive(Debug, Clone)]
+    struct State<T> {
+        x: NodeId,
+        gamma: NodeId,
+        beta: NodeId,
+        out: T,
+        mean: T,
+        inv_std: T,
+        epsilon: f64,
+        layout: Layout,
+    }
+
+    impl<B: NormBackend> Backward<B, 4> for NormAddRelu {
+        type State = State<FloatTensor<B>>;
+
+        fn backward(
+            self,
+            ops: Ops<Self::State, 4>,
+            grads: &mut Gradients,
+            checkpointer: &mut Checkpointer,
+        ) {
+            let [node_x, node_residual, node_gamma, node_beta] = ops.parents;
+            let dout = grads.consume::<B>(&ops.node);
+            let s = ops.state;
+            let mut get = |id| checkpointer.retrieve_node_output::<FloatTensor<B>>(id);
+            let (x, gamma, beta) = (get(s.x), get(s.gamma), get(s.beta));
+            let stats = [s.mean, s.inv_std];
+            let [dx, dgamma, dbeta, dresidual] = B::batch_norm_add_relu_grad(
+                x,
+                s.out,
+                [gamma, beta],
+                stats,
+                dout,
+                s.epsilon,
+                s.layout,
+            );
+            let pairs = [
+                (node_x, dx),
+                (node_residual, dresidual),
+                (node_gamma, dgamma),
+                (node_beta, dbeta),
+            ];
+            for (node, grad) in pairs {
+                if let Some(node) = node {
+                    grads.register::<B>(node.id, grad);
+                }
+            }
+        }
+    }
+
+    let running = [running_mean.primitive, running_var.primitive];
+    let nodes = [&x, &residual, &gamma, &beta].map(|t| t.node.clone());
+    let train = |x, residual, gamma, beta| {
+        B::batch_norm_add_relu_train(x, residual, gamma, beta, epsilon, layout, running, momentum)
+    };
+    match NormAddRelu.prepare::<C>(nodes).compute_bound().stateful() {
+        OpsKind::Tracked(mut prep) => {
+            let (x_state, gamma_state, beta_state) = (
+                prep.checkpoint(&x),
+                prep.checkpoint(&gamma),
+                prep.checkpoint(&beta),
+            );
+            let [out, mean, inv_std, rm, rv] = train(
+                x.primitive,
+                residual.primitive,
+                gamma.primitive,
+                beta.primitive,
+            );
+            let state = State {
+                x: x_state,
+                gamma: gamma_state,
+                beta: beta_state,
+                out: out.clone(),
+                mean: mean.clone(),
+                inv_std: inv_std.clone(),
+                epsilon,
+                layout,
+            };
+            [
+                prep.finish(state, out),
+                A::<B, C>::from_inner(mean),
+                A::<B, C>::from_inner(inv_std),
+                A::<B, C>::from_inner(rm),
+                A::<B, C>::from_inner(rv),
+            ]
+        }
+        OpsKind::UnTracked(prep) => {
+            let [out, mean, inv_std, rm, rv] = train(
+                x.primitive,
+                residual.primitive,
+                gamma.primitive,
+                beta.primitive,
+            );
+            [
+                prep.finish(out),
+                A::<B, C>::from_inner(mean),
+                A::<B, C>::from_inner(inv_std),
+                A::<B, C>::from_inner(rm),
+                A::<B, C>::from_inner(rv),
+            ]
+        }
     }
 }
 
@@ -516,6 +781,17 @@ mod tests {
     /// Burn's module and ReLU against the pass with the ReLU inside it; with `in_pass`,
     /// the running statistics updated by the pass itself.
     fn agrees_with_burn<B: NormBackend + AutodiffBackend>(relu: bool, in_pass: bool) {
+        agrees_with_burn_after::<B>(relu, in_pass, false)
+    }
+
+    /// [`agrees_with_burn`]; with `add`, a residual added before the ReLU (Burn's
+    /// module, an addition and Burn's ReLU against [`add_relu_pass`]), its gradient
+    /// compared too.
+    fn agrees_with_burn_after<B: NormBackend + AutodiffBackend>(
+        relu: bool,
+        in_pass: bool,
+        add: bool,
+    ) {
         let _rng = rng_lock();
         let dev = Default::default();
         // A fresh module per run: clones share their running statistics.
@@ -536,14 +812,21 @@ mod tests {
                 let x = Tensor::<B, 4>::random([3, 5, 4, 6], Distribution::Normal(2.0, 3.0), &dev)
                     .add_scalar(step as f64)
                     .require_grad();
-                let pass = |x, layout| match relu || in_pass {
-                    true => train_pass_with(&bn, x, layout, relu, in_pass),
-                    false => batch_norm(&bn, x, layout),
+                let r = Tensor::<B, 4>::random([3, 5, 4, 6], Distribution::Normal(0.0, 1.0), &dev)
+                    .require_grad();
+                let nhwc = |t: Tensor<B, 4>| t.permute([0, 2, 3, 1]);
+                let pass = |x, r, layout| match (add, relu || in_pass) {
+                    (true, _) => add_relu_pass(&bn, x, r, layout),
+                    (false, true) => train_pass_with(&bn, x, layout, relu, in_pass),
+                    (false, false) => batch_norm(&bn, x, layout),
                 };
                 let y = match ours {
-                    Some(Layout::Nchw) => pass(x.clone(), Layout::Nchw),
+                    Some(Layout::Nchw) => pass(x.clone(), r.clone(), Layout::Nchw),
                     Some(Layout::Nhwc) => {
-                        pass(x.clone().permute([0, 2, 3, 1]), Layout::Nhwc).permute([0, 3, 1, 2])
+                        pass(nhwc(x.clone()), nhwc(r.clone()), Layout::Nhwc).permute([0, 3, 1, 2])
+                    }
+                    None if add => {
+                        burn::tensor::activation::relu(bn.forward(x.clone()) + r.clone())
                     }
                     None if relu => burn::tensor::activation::relu(bn.forward(x.clone())),
                     None => bn.forward(x.clone()),
@@ -555,9 +838,11 @@ mod tests {
                     .reshape(y.shape())
                     .div_scalar(n as f64);
                 let grads = (y.clone() * weights).sum().backward();
+                let dr = r.grad(&grads).map(values).unwrap_or_default();
                 out.push([
                     values(y),
                     values(x.grad(&grads).unwrap()),
+                    dr,
                     values(bn.gamma.grad(&grads).unwrap()),
                     values(bn.beta.grad(&grads).unwrap()),
                     values(bn.running_mean.value()),
@@ -572,6 +857,7 @@ mod tests {
         let names = [
             "output",
             "x grad",
+            "residual grad",
             "gamma grad",
             "beta grad",
             "running mean",
@@ -589,10 +875,13 @@ mod tests {
                 }
             }
             assert!(
-                ours[1][2].iter().any(|v| v.abs() > 1e-3),
+                ours[1][3].iter().any(|v| v.abs() > 1e-3),
                 "gamma gradients are all but zero"
             );
-            if relu {
+            if add {
+                assert!(ours[1][2].contains(&0.0) && ours[1][2].iter().any(|&g| g != 0.0));
+            }
+            if relu || add {
                 // The ReLU cut somewhere, and let something through.
                 assert!(ours[1][0].contains(&0.0) && ours[1][0].iter().any(|&v| v > 0.0));
             }
@@ -618,6 +907,16 @@ mod tests {
     fn batch_norm_with_relu_inside_matches_burns_module_and_relu() {
         agrees_with_burn::<TestBackend>(true, true);
         agrees_with_burn::<TestBackend>(true, false);
+    }
+
+    #[test]
+    fn batch_norm_add_relu_in_one_node_matches_burns_module_addition_and_relu() {
+        agrees_with_burn_after::<TestBackend>(true, true, true);
+    }
+
+    #[test]
+    fn batch_norm_add_relu_matches_with_activation_recomputation() {
+        agrees_with_burn_after::<Autodiff<Flex, BalancedCheckpointing>>(true, true, true);
     }
 
     #[test]

@@ -281,15 +281,18 @@ fn stat_finish<F: Float, N: Size>(
     }
 }
 
-/// Forward step 3: `y = x * scale + bias` per channel, with `relu` then `max(y, 0)`.
+/// Forward step 3: `y = x * scale + bias` per channel, with `add` plus `residual`
+/// (a residual block's end), with `relu` then `max(y, 0)`.
 #[cube(launch)]
 fn normalize<F: Float, N: Size>(
     x: &Tensor<Vector<F, N>>,
+    residual: &Tensor<Vector<F, N>>,
     scale: &Tensor<Vector<f32, N>>,
     bias: &Tensor<Vector<f32, N>>,
     y: &mut Tensor<Vector<F, N>>,
     len: usize,
     columns: usize,
+    #[comptime] add: bool,
     #[comptime] relu: bool,
     #[define(F)] _dtype: StorageType,
 ) {
@@ -299,6 +302,9 @@ fn normalize<F: Float, N: Size>(
     }
     let c = i % columns;
     let mut v = Vector::<f32, N>::cast_from(x[i]) * scale[c] + bias[c];
+    if add {
+        v += Vector::<f32, N>::cast_from(residual[i]);
+    }
     if relu {
         v = max(v, Vector::<f32, N>::new(f32::new(0.0)));
     }
@@ -325,11 +331,14 @@ fn through_relu<N: Size>(
 }
 
 /// Backward step 1: per part, the sums of `dy` and of `dy * (x - mean)` (`dy` through
-/// the ReLU with `relu`).
+/// the ReLU with `relu`; with `after_add`, through the ReLU after a residual addition,
+/// by that ReLU's output `out`, and stored as `masked`).
 #[cube(launch)]
 fn grad_parts<F: Float, N: Size>(
     x: &Tensor<Vector<F, N>>,
     dy: &Tensor<Vector<F, N>>,
+    out: &Tensor<Vector<F, N>>,
+    masked: &mut Tensor<Vector<F, N>>,
     gamma: &Tensor<Vector<f32, N>>,
     beta: &Tensor<Vector<f32, N>>,
     mean: &Tensor<Vector<f32, N>>,
@@ -341,6 +350,7 @@ fn grad_parts<F: Float, N: Size>(
     rows_per_part: usize,
     #[comptime] threads: usize,
     #[comptime] relu: bool,
+    #[comptime] after_add: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let (column, read) = columns_of(columns);
@@ -354,7 +364,19 @@ fn grad_parts<F: Float, N: Size>(
     while row < end {
         let i = row * columns + read;
         let v = Vector::<f32, N>::cast_from(x[i]);
-        let g = through_relu::<N>(Vector::<f32, N>::cast_from(dy[i]), v, k, b, relu);
+        let mut d = Vector::<f32, N>::cast_from(dy[i]);
+        if after_add {
+            // Through the ReLU after the addition, by its output; kept for the
+            // residual branch and step 3. Exact: `d` holds a value of `F`.
+            let zero = Vector::<f32, N>::new(f32::new(0.0));
+            d = select_many(
+                Vector::<f32, N>::cast_from(out[i]).greater_than(zero),
+                d,
+                zero,
+            );
+            masked[i] = Vector::cast_from(d);
+        }
+        let g = through_relu::<N>(d, v, k, b, relu);
         sum += g;
         product += g * (v - m);
         row += CUBE_DIM_Y as usize;
@@ -520,23 +542,29 @@ pub(crate) fn train<R: CubeRuntime>(
     epsilon: f64,
     relu: bool,
 ) -> Option<[CubeTensor<R>; 3]> {
-    let [y, mean, inv_std, _, _] = train_running(x, gamma, beta, epsilon, relu, None)?;
+    let [y, mean, inv_std, _, _] = train_running(x, None, gamma, beta, epsilon, relu, None)?;
     Some([y, mean, inv_std])
 }
 
 /// [`train`], with `running` (mean, variance, momentum) also the running statistics
-/// blended with the batch's (`NormBackend::batch_norm_train_running`), returned last;
-/// without it, the last two are scratch.
+/// blended with the batch's (`NormBackend::batch_norm_train_running`), returned last
+/// (without it, the last two are scratch); with `residual` (`x`'s shape and dtype)
+/// added to the output before the ReLU.
 pub(crate) fn train_running<R: CubeRuntime>(
     x: &CubeTensor<R>,
+    residual: Option<&CubeTensor<R>>,
     gamma: &CubeTensor<R>,
     beta: &CubeTensor<R>,
     epsilon: f64,
     relu: bool,
     running: Option<([&CubeTensor<R>; 2], f64)>,
 ) -> Option<[CubeTensor<R>; 5]> {
+    if residual.is_some_and(|r| r.dtype != x.dtype || r.meta.shape() != x.meta.shape()) {
+        return None;
+    }
     let given = running.as_ref().map_or(vec![], |(r, _)| r.to_vec());
     let plan = Plan::new(x, &[&[gamma, beta][..], &given].concat())?;
+    let residual = residual.map(|r| into_contiguous(r.clone()));
     let (old_mean, old_var, momentum) = match running {
         Some(([m, v], momentum)) => (
             into_contiguous(m.clone()),
@@ -603,11 +631,17 @@ pub(crate) fn train_running<R: CubeRuntime>(
         dim,
         plan.vector,
         plan.x.clone().into_tensor_arg(),
+        residual
+            .as_ref()
+            .unwrap_or(&plan.x)
+            .clone()
+            .into_tensor_arg(),
         scale.into_tensor_arg(),
         bias.into_tensor_arg(),
         y.clone().into_tensor_arg(),
         len,
         columns,
+        residual.is_some(),
         relu,
         dtype,
     );
@@ -619,17 +653,56 @@ pub(crate) fn train_running<R: CubeRuntime>(
 /// shape and dtype); `None` where these kernels do not apply.
 pub(crate) fn grad<R: CubeRuntime>(
     x: &CubeTensor<R>,
+    params: [&CubeTensor<R>; 2],
+    stats: [&CubeTensor<R>; 2],
+    dy: &CubeTensor<R>,
+    relu: bool,
+) -> Option<[CubeTensor<R>; 3]> {
+    grad_masked(x, params, stats, dy, relu, None).map(|(grads, _)| grads)
+}
+
+/// The gradients of a layer whose output was added to a residual and passed through a
+/// ReLU with output `out` ([`train_running`] with a residual), given `out`'s gradient:
+/// the input's, gamma's, beta's, and the residual's (`dout` through the ReLU).
+pub(crate) fn grad_after_add<R: CubeRuntime>(
+    x: &CubeTensor<R>,
+    params: [&CubeTensor<R>; 2],
+    stats: [&CubeTensor<R>; 2],
+    out: &CubeTensor<R>,
+    dout: &CubeTensor<R>,
+) -> Option<[CubeTensor<R>; 4]> {
+    if out.dtype != x.dtype || out.meta.shape() != x.meta.shape() {
+        return None;
+    }
+    let ([dx, d_gamma, d_beta], masked) = grad_masked(x, params, stats, dout, false, Some(out))?;
+    Some([dx, d_gamma, d_beta, masked?])
+}
+
+/// The input's, gamma's and beta's gradients, and the masked output gradient there is
+/// one.
+type Masked<R> = ([CubeTensor<R>; 3], Option<CubeTensor<R>>);
+
+/// [`grad`], with `mask_by` first masking `dy` by that ReLU output (returned too).
+fn grad_masked<R: CubeRuntime>(
+    x: &CubeTensor<R>,
     [gamma, beta]: [&CubeTensor<R>; 2],
     [mean, inv_std]: [&CubeTensor<R>; 2],
     dy: &CubeTensor<R>,
     relu: bool,
-) -> Option<[CubeTensor<R>; 3]> {
+    mask_by: Option<&CubeTensor<R>>,
+) -> Option<Masked<R>> {
     if dy.dtype != x.dtype || dy.meta.shape() != x.meta.shape() {
         return None;
     }
     let plan = Plan::new(x, &[gamma, beta, mean, inv_std])?;
     let [gamma, beta, mean, inv_std, dy] =
         [gamma, beta, mean, inv_std, dy].map(|t| into_contiguous(t.clone()));
+    let out = mask_by.map(|t| into_contiguous(t.clone()));
+    // Written only with `mask_by`; otherwise a one-element stand-in.
+    let masked = match out {
+        Some(_) => plan.empty(plan.x.meta.shape().clone(), plan.x.dtype),
+        None => plan.empty(Shape::new([plan.vector]), plan.x.dtype),
+    };
     let client = plan.x.client.clone();
     let dtype: StorageType = plan.x.dtype.into();
     let (g, columns) = (plan.grid, plan.columns());
@@ -641,6 +714,8 @@ pub(crate) fn grad<R: CubeRuntime>(
         plan.vector,
         plan.x.clone().into_tensor_arg(),
         dy.clone().into_tensor_arg(),
+        out.as_ref().unwrap_or(&dy).clone().into_tensor_arg(),
+        masked.clone().into_tensor_arg(),
         gamma.clone().into_tensor_arg(),
         beta.clone().into_tensor_arg(),
         mean.clone().into_tensor_arg(),
@@ -652,8 +727,11 @@ pub(crate) fn grad<R: CubeRuntime>(
         g.rows_per_part,
         THREADS as usize,
         relu,
+        out.is_some(),
         dtype,
     );
+    // Step 3 reads the masked gradient where there is one.
+    let dy = if out.is_some() { masked.clone() } else { dy };
     let [d_gamma, d_beta, k_dy, k_x, k_1] = plan.f32s(plan.channels);
     grad_finish::launch::<R>(
         &client,
@@ -694,7 +772,7 @@ pub(crate) fn grad<R: CubeRuntime>(
         relu,
         dtype,
     );
-    Some([dx, d_gamma, d_beta])
+    Some(([dx, d_gamma, d_beta], out.map(|_| masked)))
 }
 
 /// Whether each of `tensors` is f32 of shape `[channels]`.

@@ -156,6 +156,9 @@ enum NormPart {
     /// With the running statistics' update, and its momentum.
     TrainRunning(f64),
     Grad,
+    /// A residual block's end, with the running statistics' momentum.
+    AddReluTrain(f64),
+    AddReluGrad,
 }
 
 #[derive(Debug)]
@@ -190,6 +193,18 @@ impl<B: FusionBackend + NormBackend> Operation<B::FusionRuntime> for NormOp<B> {
                 let (x, params) = (get(0), [get(1), get(2)]);
                 let stats = [get(3), get(4)];
                 B::batch_norm_grad(x, params, stats, get(5), epsilon, layout, relu).into()
+            }
+            NormPart::AddReluTrain(momentum) => {
+                let (x, residual, gamma, beta) = (get(0), get(1), get(2), get(3));
+                let running = [get(4), get(5)];
+                B::batch_norm_add_relu_train(
+                    x, residual, gamma, beta, epsilon, layout, running, momentum,
+                )
+                .into()
+            }
+            NormPart::AddReluGrad => {
+                let (x, out, params, stats) = (get(0), get(1), [get(2), get(3)], [get(4), get(5)]);
+                B::batch_norm_add_relu_grad(x, out, params, stats, get(6), epsilon, layout).into()
             }
         };
         let results: Vec<FloatTensor<B>> = results;
@@ -259,6 +274,43 @@ impl<B: FusionBackend + NormBackend> NormBackend for Fusion<B> {
         let part = NormPart::TrainRunning(momentum);
         let how = (epsilon, layout, relu);
         register_norm::<B, 5>(part, "kiln_batch_norm_running", inputs, outputs, how)
+    }
+
+    fn batch_norm_add_relu_train(
+        x: FloatTensor<Self>,
+        residual: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        epsilon: f64,
+        layout: Layout,
+        [running_mean, running_var]: [FloatTensor<Self>; 2],
+        momentum: f64,
+    ) -> [FloatTensor<Self>; 5] {
+        let y = (x.shape.clone(), x.dtype);
+        let stat = (gamma.shape.clone(), gamma.dtype);
+        let outputs = vec![y, stat.clone(), stat.clone(), stat.clone(), stat];
+        let inputs = vec![x, residual, gamma, beta, running_mean, running_var];
+        let part = NormPart::AddReluTrain(momentum);
+        let how = (epsilon, layout, true);
+        register_norm::<B, 5>(part, "kiln_batch_norm_add_relu", inputs, outputs, how)
+    }
+
+    fn batch_norm_add_relu_grad(
+        x: FloatTensor<Self>,
+        out: FloatTensor<Self>,
+        [gamma, beta]: [FloatTensor<Self>; 2],
+        [mean, inv_std]: [FloatTensor<Self>; 2],
+        dout: FloatTensor<Self>,
+        epsilon: f64,
+        layout: Layout,
+    ) -> [FloatTensor<Self>; 4] {
+        let dx = (x.shape.clone(), x.dtype);
+        let param = (gamma.shape.clone(), gamma.dtype);
+        let outputs = vec![dx.clone(), param.clone(), param, dx];
+        let inputs = vec![x, out, gamma, beta, mean, inv_std, dout];
+        let how = (epsilon, layout, true);
+        let name = "kiln_batch_norm_add_relu_grad";
+        register_norm::<B, 4>(NormPart::AddReluGrad, name, inputs, outputs, how)
     }
 
     fn batch_norm_grad(

@@ -20,7 +20,10 @@ use super::{
     Dnn, Planned, Tensor, data_type, dims, has_symbols, on_cudnn_planned, tensor_format, warn_once,
     write_scaling,
 };
-use crate::ops::norm::{blend_reference, grad_reference, relu_grad_reference, train_reference};
+use crate::ops::norm::{
+    add_relu_grad_reference, add_relu_train_reference, blend_reference, grad_reference,
+    relu_grad_reference, train_reference,
+};
 use crate::ops::{Layout, LibraryCall, NormBackend};
 
 static BATCH_NORM: AtomicBool = AtomicBool::new(false);
@@ -541,7 +544,7 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> NormBackend
         if layout == Layout::Nhwc && channels_last_norm::enabled() {
             let given = Some(([&running[0], &running[1]], momentum));
             if let Some(out) =
-                channels_last_norm::train_running(&x, &gamma, &beta, epsilon, relu, given)
+                channels_last_norm::train_running(&x, None, &gamma, &beta, epsilon, relu, given)
             {
                 return out;
             }
@@ -550,6 +553,60 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> NormBackend
         let stats = [mean.clone(), inv_std.clone()];
         let [rm, rv] = blend_reference::<Self>(running, stats, epsilon, momentum);
         [y, mean, inv_std, rm, rv]
+    }
+
+    fn batch_norm_add_relu_train(
+        x: FloatTensor<Self>,
+        residual: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        epsilon: f64,
+        layout: Layout,
+        running: [FloatTensor<Self>; 2],
+        momentum: f64,
+    ) -> [FloatTensor<Self>; 5] {
+        if layout == Layout::Nhwc && channels_last_norm::enabled() {
+            let given = Some(([&running[0], &running[1]], momentum));
+            if let Some(out) = channels_last_norm::train_running(
+                &x,
+                Some(&residual),
+                &gamma,
+                &beta,
+                epsilon,
+                true,
+                given,
+            ) {
+                return out;
+            }
+        }
+        add_relu_train_reference::<Self>(
+            x, residual, gamma, beta, epsilon, layout, running, momentum,
+        )
+    }
+
+    fn batch_norm_add_relu_grad(
+        x: FloatTensor<Self>,
+        out: FloatTensor<Self>,
+        [gamma, beta]: [FloatTensor<Self>; 2],
+        [mean, inv_std]: [FloatTensor<Self>; 2],
+        dout: FloatTensor<Self>,
+        epsilon: f64,
+        layout: Layout,
+    ) -> [FloatTensor<Self>; 4] {
+        if layout == Layout::Nhwc
+            && channels_last_norm::enabled()
+            && let Some(grads) = channels_last_norm::grad_after_add(
+                &x,
+                [&gamma, &beta],
+                [&mean, &inv_std],
+                &out,
+                &dout,
+            )
+        {
+            return grads;
+        }
+        let (params, stats) = ([gamma, beta], [mean, inv_std]);
+        add_relu_grad_reference::<Self>(x, out, params, stats, dout, epsilon, layout)
     }
 
     fn batch_norm_grad(
@@ -740,6 +797,116 @@ mod tests {
             300.0,
             false,
         );
+    }
+
+    /// A residual block's end, `relu(batch_norm(x) + residual)`, through autodiff and
+    /// fusion: in one pass on kiln's channels-last kernels, or as Burn's operations,
+    /// an addition and Burn's ReLU. Returns the output, running statistics and the
+    /// gradients of the input, residual, gamma and beta.
+    fn add_relu(
+        kernels: Kernels,
+        dtype: FloatDType,
+        [batch, channels]: [usize; 2],
+    ) -> Vec<Vec<f32>> {
+        channels_last_norm::set_enabled(kernels == Kernels::ChannelsLast);
+        let dev = CudaDevice::new(0);
+        <B as burn::tensor::backend::Backend>::seed(&dev, 13);
+        let nhwc = |t: T<B, 4>| t.cast(dtype).permute([0, 2, 3, 1]);
+        let x = nhwc(T::<B, 4>::random(
+            [batch, channels, 7, 9],
+            normal(1.0, 2.0),
+            &dev,
+        ));
+        let r = nhwc(T::<B, 4>::random(
+            [batch, channels, 7, 9],
+            normal(0.0, 1.0),
+            &dev,
+        ));
+        let gamma = T::<B, 1>::random([channels], normal(1.0, 0.5), &dev);
+        let beta = T::<B, 1>::random([channels], normal(0.0, 0.5), &dev);
+        let running = [
+            T::<B, 1>::random([channels], normal(0.5, 0.5), &dev),
+            T::<B, 1>::random([channels], normal(2.0, 0.5), &dev).abs(),
+        ];
+        // Gamma and beta as 4-D leaves, so one closure reads every gradient.
+        let [x, r, gamma, beta] =
+            [x, r, gamma.unsqueeze(), beta.unsqueeze()].map(|t| t.require_grad());
+        let p4 = |t: &T<B, 4>| t.clone().into_primitive().tensor();
+        let p1 = |t: &T<B, 4>| t.clone().flatten::<1>(0, 3).into_primitive().tensor();
+        let f = |t| T::<B, 4>::from_primitive(burn::tensor::TensorPrimitive::Float(t));
+        let f1 = |t| T::<B, 1>::from_primitive(burn::tensor::TensorPrimitive::Float(t));
+        let running = running.map(|t| t.into_primitive().tensor());
+        let (out, rm, rv) = if kernels == Kernels::Burn {
+            let [y, _, _, rm, rv] = B::batch_norm_train_running(
+                p4(&x),
+                p1(&gamma),
+                p1(&beta),
+                1e-5,
+                Layout::Nhwc,
+                false,
+                running,
+                0.1,
+            );
+            (burn::tensor::activation::relu(f(y) + r.clone()), rm, rv)
+        } else {
+            let [out, _, _, rm, rv] = B::batch_norm_add_relu_train(
+                p4(&x),
+                p4(&r),
+                p1(&gamma),
+                p1(&beta),
+                1e-5,
+                Layout::Nhwc,
+                running,
+                0.1,
+            );
+            (f(out), rm, rv)
+        };
+        let n = out.shape().num_elements() as i64;
+        let weights = T::<B, 1, burn::tensor::Int>::arange(0..n, &dev)
+            .float()
+            .reshape(out.shape())
+            / n as f32;
+        let grads = (out.clone().cast(FloatDType::F32) * weights)
+            .sum()
+            .backward();
+        let v = |t: burn::tensor::TensorData| t.convert::<f32>().to_vec::<f32>().unwrap();
+        let grad = |t: &T<B, 4>| v(t.grad(&grads).unwrap().into_data());
+        channels_last_norm::set_enabled(false);
+        vec![
+            v(out.into_data()),
+            v(f1(rm).into_data()),
+            v(f1(rv).into_data()),
+            grad(&x),
+            grad(&r),
+            grad(&gamma),
+            grad(&beta),
+        ]
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn channels_last_add_relu_matches_burns_operations_on_the_gpu() {
+        let names = [
+            "output",
+            "running mean",
+            "running variance",
+            "x grad",
+            "residual grad",
+        ];
+        let names = names.into_iter().chain(["gamma grad", "beta grad"]);
+        for (dtype, tol) in [(FloatDType::F32, 1e-3), (FloatDType::BF16, 2e-2)] {
+            for shape in [[6, 5], [6, 16], [512, 16]] {
+                let ours = add_relu(Kernels::ChannelsLast, dtype, shape);
+                let burn = add_relu(Kernels::Burn, dtype, shape);
+                for (name, (a, b)) in names.clone().zip(ours.iter().zip(&burn)) {
+                    let rel = rel_diff(a, b);
+                    assert!(
+                        rel < tol,
+                        "{dtype:?} {shape:?}: {name} differs by {rel} relative"
+                    );
+                }
+            }
+        }
     }
 
     #[test]
