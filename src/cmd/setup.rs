@@ -93,14 +93,13 @@ pub fn kernel_settings(
         }
     };
     let usable = probe.map(|p| p.and_then(|_| probe_cudnn_batch_norm()));
-    let own_kernels = config.kernels.channels_last && norm == BatchNormKernels::Auto;
     let cudnn_batch_norm = match (usable, norm) {
         (None, _) | (_, BatchNormKernels::Burn) => false,
-        (Some(_), _) if own_kernels => {
-            crate::say!("kiln: batch norm: kiln's channels-last kernels");
+        (Some(_), BatchNormKernels::Auto) => {
+            crate::say!("kiln: batch norm: kiln's kernels");
             false
         }
-        (Some(Ok(())), _) => {
+        (Some(Ok(())), BatchNormKernels::Cudnn) => {
             crate::say!("kiln: batch norm: cuDNN");
             true
         }
@@ -108,15 +107,11 @@ pub fn kernel_settings(
             "kernels.batch_norm = \"cudnn\" but cuDNN cannot be used: {why}. {install}, or set \
              kernels.batch_norm = \"auto\" or \"burn\""
         ),
-        (Some(Err(why)), BatchNormKernels::Auto) => {
-            crate::say!("kiln: batch norm: Burn's operations (cuDNN: {why})");
-            false
-        }
     };
     let on_cuda = matches!(plan, crate::device::DevicePlan::Cuda { .. });
     // kiln's own kernels need no cuDNN.
-    let channels_last_norm = on_cuda && own_kernels;
-    let norm_ok = channels_last_norm || cudnn_batch_norm;
+    let kiln_norm = on_cuda && norm == BatchNormKernels::Auto;
+    let norm_ok = kiln_norm || cudnn_batch_norm;
     if on_cuda && config.kernels.channels_last && (!cudnn_convolutions || !norm_ok) {
         anyhow::bail!(
             "kernels.channels_last = true needs cuDNN's convolutions, and batch norm on kiln's \
@@ -131,7 +126,7 @@ pub fn kernel_settings(
         autotune: config.kernels.autotune,
         cudnn_convolutions,
         cudnn_batch_norm,
-        channels_last_norm,
+        kiln_norm,
         conv_workspace: config.kernels.conv_workspace_mib as usize * (1 << 20),
         exact_pool: config.kernels.memory_pool == crate::config::MemoryPool::Exact,
         // Applied by the CUDA backend only; the CPU uploads nothing.

@@ -39,9 +39,9 @@ pub enum Convolution {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum BatchNormKernels {
-    /// Channels-last layers on kiln's own kernels (`ops::channels_last_norm`); NCHW
-    /// layers on cuDNN's batch normalisation (one kernel each way per layer) when cuDNN
-    /// can be loaded, otherwise Burn's operations, with a note saying why.
+    /// kiln's own kernels (`ops::cuda::norm_kernels`) in both layouts: three launches
+    /// each way per layer, with the ReLU after it, a residual block's addition and the
+    /// running statistics' update in their passes.
     Auto,
     /// cuDNN in both layouts, or an error before training starts when it cannot be
     /// loaded.

@@ -31,10 +31,10 @@ pub struct KernelSettings {
     /// [`probe_cudnn_batch_norm`] succeeded).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub cudnn_batch_norm: bool,
-    /// Whether channels-last BatchNorm runs on kiln's own kernels
-    /// (`ops::channels_last_norm`), ahead of cuDNN.
+    /// Whether BatchNorm's training pass runs on kiln's own kernels
+    /// (`ops::cuda::norm_kernels`, both layouts), ahead of cuDNN.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    pub channels_last_norm: bool,
+    pub kiln_norm: bool,
     /// The most scratch memory one cuDNN convolution may take, in bytes.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub conv_workspace: usize,
@@ -161,7 +161,7 @@ mod cuda {
             crate::ops::cuda::configure(crate::ops::cuda::Routing {
                 cudnn_convolutions: kernels.cudnn_convolutions,
                 cudnn_batch_norm: kernels.cudnn_batch_norm,
-                channels_last_norm: kernels.channels_last_norm,
+                kiln_norm: kernels.kiln_norm,
                 conv_workspace: kernels.conv_workspace,
                 pinned_uploads: kernels.pinned_uploads,
             });

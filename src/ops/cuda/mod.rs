@@ -4,7 +4,7 @@
 //!
 //! - `cudnn/`: cuDNN's convolutions and batch normalisation (probe, handles, legacy
 //!   calls, the graph API);
-//! - `channels_last_norm`, `sgd`: kiln's own cubecl kernels;
+//! - `norm_kernels`, `sgd`: kiln's own cubecl kernels;
 //! - `nccl`: collectives of device buffers across GPUs and processes (`copies`: many
 //!   device-to-device copies by one driver call);
 //! - `pinned`, `staging`: uploads from page-locked host memory, beside the step;
@@ -12,13 +12,13 @@
 //!   order with cubecl's;
 //! - `fusion`: each extension as one custom operation of Burn's fusion stream.
 
-pub mod channels_last_norm;
 mod copies;
 mod cubecl_stream;
 pub mod cudnn;
 mod fusion;
 mod kiln_stream;
 pub mod nccl;
+pub mod norm_kernels;
 pub mod pinned;
 mod sgd;
 mod staging;
@@ -34,8 +34,8 @@ pub struct Routing {
     pub cudnn_convolutions: bool,
     /// BatchNorm's training pass on cuDNN (after [`cudnn::probe_batch_norm`]).
     pub cudnn_batch_norm: bool,
-    /// Channels-last BatchNorm on kiln's own kernels, ahead of cuDNN.
-    pub channels_last_norm: bool,
+    /// BatchNorm on kiln's own kernels (both layouts), ahead of cuDNN.
+    pub kiln_norm: bool,
     /// Batches uploaded from page-locked memory.
     pub pinned_uploads: bool,
     /// The most scratch memory one cuDNN convolution may take, in bytes.
@@ -47,7 +47,7 @@ pub fn configure(routing: Routing) {
     cudnn::set_convolutions(routing.cudnn_convolutions);
     cudnn::set_workspace_limit(routing.conv_workspace);
     cudnn::set_batch_norm(routing.cudnn_batch_norm);
-    channels_last_norm::set_enabled(routing.channels_last_norm);
+    norm_kernels::set_enabled(routing.kiln_norm);
     pinned::set_pinned(routing.pinned_uploads);
 }
 

@@ -13,7 +13,7 @@ use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 use cubecl::prelude::*;
 
-use super::channels_last_norm::widest_vector;
+use super::norm_kernels::widest_vector;
 use crate::ops::sgd::{SgdBackend, SgdStep, Stepped, step_reference};
 
 /// Parameters stepped by one launch at most: each brings five buffers (three read,

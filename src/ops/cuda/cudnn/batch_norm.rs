@@ -14,8 +14,8 @@ use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
 use cudarc::cudnn::{result as dnn, sys};
 
-use super::super::channels_last_norm;
 use super::super::kiln_stream::{After, Client, Lane};
+use super::super::norm_kernels;
 use super::{
     Dnn, Planned, Tensor, data_type, dims, has_symbols, on_cudnn_planned, tensor_format, warn_once,
     write_scaling,
@@ -494,14 +494,15 @@ fn norm_through_cudnn(run: impl FnOnce() -> Result<[Tensor; 3], String>) -> Opti
     warn_once(run(), &WARNED, "a batch norm", "operations")
 }
 
-/// Channels-last layers on kiln's own kernels where they are on (`channels_last_norm`),
-/// then cuDNN where it is on, then Burn's operations. A ReLU is fused only into kiln's
-/// kernels; elsewhere it runs beside the layer.
+/// kiln's own kernels where they are on (`norm_kernels`, both layouts, the ReLU, a
+/// residual addition and the running statistics' update in their passes), then cuDNN
+/// where it is on, then Burn's operations; on cuDNN and Burn's operations a ReLU runs
+/// beside the layer.
 impl<F: FloatElement, I: IntElement, BT: BoolElement> NormBackend
     for CubeBackend<CudaRuntime, F, I, BT>
 {
-    fn fuses_norm_epilogue(layout: Layout) -> bool {
-        layout == Layout::Nhwc && channels_last_norm::enabled()
+    fn fuses_norm_epilogue(_layout: Layout) -> bool {
+        norm_kernels::enabled()
     }
 
     fn batch_norm_train(
@@ -512,11 +513,11 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> NormBackend
         layout: Layout,
         relu: bool,
     ) -> [FloatTensor<Self>; 3] {
-        if layout == Layout::Nhwc
-            && channels_last_norm::enabled()
-            && let Some(out) = channels_last_norm::train(&x, &gamma, &beta, epsilon, relu)
+        if norm_kernels::enabled()
+            && let Some([y, mean, inv_std, _, _]) =
+                norm_kernels::train_running(layout, &x, None, &gamma, &beta, epsilon, relu, None)
         {
-            return out;
+            return [y, mean, inv_std];
         }
         let [y, mean, inv_std] =
             match norm_through_cudnn(|| norm_train(&x, &gamma, &beta, epsilon, layout)) {
@@ -541,10 +542,10 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> NormBackend
         running: [FloatTensor<Self>; 2],
         momentum: f64,
     ) -> [FloatTensor<Self>; 5] {
-        if layout == Layout::Nhwc && channels_last_norm::enabled() {
+        if norm_kernels::enabled() {
             let given = Some(([&running[0], &running[1]], momentum));
             if let Some(out) =
-                channels_last_norm::train_running(&x, None, &gamma, &beta, epsilon, relu, given)
+                norm_kernels::train_running(layout, &x, None, &gamma, &beta, epsilon, relu, given)
             {
                 return out;
             }
@@ -565,9 +566,10 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> NormBackend
         running: [FloatTensor<Self>; 2],
         momentum: f64,
     ) -> [FloatTensor<Self>; 5] {
-        if layout == Layout::Nhwc && channels_last_norm::enabled() {
+        if norm_kernels::enabled() {
             let given = Some(([&running[0], &running[1]], momentum));
-            if let Some(out) = channels_last_norm::train_running(
+            if let Some(out) = norm_kernels::train_running(
+                layout,
                 &x,
                 Some(&residual),
                 &gamma,
@@ -593,9 +595,9 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> NormBackend
         epsilon: f64,
         layout: Layout,
     ) -> [FloatTensor<Self>; 4] {
-        if layout == Layout::Nhwc
-            && channels_last_norm::enabled()
-            && let Some(grads) = channels_last_norm::grad_after_add(
+        if norm_kernels::enabled()
+            && let Some(grads) = norm_kernels::grad_after_add(
+                layout,
                 &x,
                 [&gamma, &beta],
                 [&mean, &inv_std],
@@ -618,10 +620,9 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> NormBackend
         layout: Layout,
         relu: bool,
     ) -> [FloatTensor<Self>; 3] {
-        if layout == Layout::Nhwc
-            && channels_last_norm::enabled()
+        if norm_kernels::enabled()
             && let Some(out) =
-                channels_last_norm::grad(&x, [&gamma, &beta], [&mean, &inv_std], &dy, relu)
+                norm_kernels::grad(layout, &x, [&gamma, &beta], [&mean, &inv_std], &dy, relu)
         {
             return out;
         }
@@ -665,30 +666,28 @@ mod tests {
     enum Kernels {
         Burn,
         Cudnn,
-        ChannelsLast,
+        Kiln,
     }
 
     /// Batch norm's output, statistics, updated running statistics and gradients
     /// through autodiff and fusion, on an input of mean `center` in `layout` and
-    /// `dtype` (the parameters and statistics are f32). With `relu`, a ReLU follows: passed to the layer, or for
+    /// `dtype` (the parameters and statistics are f32), of `[batch, channels, height,
+    /// width]`. With `relu`, a ReLU follows: passed to the layer, or for
     /// [`Kernels::Burn`] Burn's own ReLU after it.
     fn norm(
         kernels: Kernels,
         layout: Layout,
         dtype: FloatDType,
-        [batch, channels]: [usize; 2],
+        [batch, channels, height, width]: [usize; 4],
         center: f64,
         relu: bool,
     ) -> Vec<Vec<f32>> {
         set_batch_norm(kernels == Kernels::Cudnn);
-        channels_last_norm::set_enabled(kernels == Kernels::ChannelsLast);
+        norm_kernels::set_enabled(kernels == Kernels::Kiln);
         let dev = CudaDevice::new(0);
         <B as burn::tensor::backend::Backend>::seed(&dev, 11);
-        let x = T::<B, 4>::random([batch, channels, 7, 9], normal(center, 2.0), &dev);
-        let x = match layout {
-            Layout::Nchw => x.cast(dtype),
-            Layout::Nhwc => x.cast(dtype).permute([0, 2, 3, 1]),
-        };
+        let x = T::<B, 4>::random([batch, channels, height, width], normal(center, 2.0), &dev);
+        let x = in_layout(x.cast(dtype), layout);
         let gamma = T::<B, 1>::random([channels], normal(1.0, 0.5), &dev);
         let beta = T::<B, 1>::random([channels], normal(0.0, 0.5), &dev);
         let (x, gamma, beta) = (x.require_grad(), gamma.require_grad(), beta.require_grad());
@@ -734,13 +733,21 @@ mod tests {
         ]
     }
 
+    /// An NCHW tensor in `layout`.
+    fn in_layout(t: T<B, 4>, layout: Layout) -> T<B, 4> {
+        match layout {
+            Layout::Nchw => t,
+            Layout::Nhwc => t.permute([0, 2, 3, 1]),
+        }
+    }
+
     /// `kernels` against Burn's operations, per case `(layout, dtype, tolerance)`, on
-    /// inputs of each of `shapes` (`[batch, channels]`, 7x9 pixels) and of mean
+    /// inputs of each of `shapes` (`[batch, channels, height, width]`) and of mean
     /// `center`.
     fn compare(
         kernels: Kernels,
         cases: &[(Layout, FloatDType, f32)],
-        shapes: &[[usize; 2]],
+        shapes: &[[usize; 4]],
         center: f64,
         relu: bool,
     ) {
@@ -770,58 +777,62 @@ mod tests {
             }
         }
         set_batch_norm(false);
-        channels_last_norm::set_enabled(false);
+        norm_kernels::set_enabled(false);
     }
 
     /// Both sides compute in f32 and round the output and input gradient to bf16.
-    const CHANNELS_LAST: [(Layout, FloatDType, f32); 3] = [
+    const KILN: [(Layout, FloatDType, f32); 6] = [
         (Layout::Nhwc, FloatDType::F32, 1e-3),
         (Layout::Nhwc, FloatDType::BF16, 2e-2),
         (Layout::Nhwc, FloatDType::F16, 5e-3),
+        (Layout::Nchw, FloatDType::F32, 1e-3),
+        (Layout::Nchw, FloatDType::BF16, 2e-2),
+        (Layout::Nchw, FloatDType::F16, 5e-3),
     ];
 
     #[test]
     #[ignore = "needs a CUDA GPU"]
-    fn channels_last_kernels_match_burns_operations_on_the_gpu() {
-        // No vector, vectors of 8 in two cubes of columns, the last cut short, more
-        // parts of partial sums than the finishing cube has rows of threads (32,256
-        // rows), and an input whose mean is far from zero against its spread.
-        let shapes = [[6, 5], [6, 16], [6, 520], [512, 16]];
+    fn kiln_kernels_match_burns_operations_on_the_gpu() {
+        // Channels-last: no vector, vectors of 8 in two cubes of columns, the last cut
+        // short, more parts of partial sums than the finishing cube has rows of threads
+        // (32,256 rows). NCHW: no vector along 7x9 pixels, vectors along 8x8 and 32x32,
+        // one part per channel and several (512 images), more channels than an SM takes
+        // cubes. And an input whose mean is far from zero against its spread.
+        let shapes = [
+            [6, 5, 7, 9],
+            [6, 16, 7, 9],
+            [6, 520, 7, 9],
+            [512, 16, 7, 9],
+            [6, 16, 8, 8],
+            [64, 3, 32, 32],
+        ];
         for relu in [false, true] {
-            compare(Kernels::ChannelsLast, &CHANNELS_LAST, &shapes, 1.0, relu);
+            compare(Kernels::Kiln, &KILN, &shapes, 1.0, relu);
         }
-        compare(
-            Kernels::ChannelsLast,
-            &CHANNELS_LAST[..1],
-            &[[6, 16]],
-            300.0,
-            false,
-        );
+        for layout in [Layout::Nhwc, Layout::Nchw] {
+            let f32_only = [(layout, FloatDType::F32, 1e-3)];
+            let shapes = [[6, 16, 7, 9], [6, 16, 8, 8]];
+            compare(Kernels::Kiln, &f32_only, &shapes, 300.0, false);
+        }
     }
 
     /// A residual block's end, `relu(batch_norm(x) + residual)`, through autodiff and
-    /// fusion: in one pass on kiln's channels-last kernels, or as Burn's operations,
-    /// an addition and Burn's ReLU. Returns the output, running statistics and the
-    /// gradients of the input, residual, gamma and beta.
+    /// fusion: in one pass on kiln's kernels, or as Burn's operations, an addition and
+    /// Burn's ReLU. Returns the output, running statistics and the gradients of the
+    /// input, residual, gamma and beta.
     fn add_relu(
         kernels: Kernels,
+        layout: Layout,
         dtype: FloatDType,
-        [batch, channels]: [usize; 2],
+        shape: [usize; 4],
     ) -> Vec<Vec<f32>> {
-        channels_last_norm::set_enabled(kernels == Kernels::ChannelsLast);
+        norm_kernels::set_enabled(kernels == Kernels::Kiln);
         let dev = CudaDevice::new(0);
         <B as burn::tensor::backend::Backend>::seed(&dev, 13);
-        let nhwc = |t: T<B, 4>| t.cast(dtype).permute([0, 2, 3, 1]);
-        let x = nhwc(T::<B, 4>::random(
-            [batch, channels, 7, 9],
-            normal(1.0, 2.0),
-            &dev,
-        ));
-        let r = nhwc(T::<B, 4>::random(
-            [batch, channels, 7, 9],
-            normal(0.0, 1.0),
-            &dev,
-        ));
+        let channels = shape[1];
+        let x = in_layout(T::<B, 4>::random(shape, normal(1.0, 2.0), &dev), layout);
+        let r = in_layout(T::<B, 4>::random(shape, normal(0.0, 1.0), &dev), layout);
+        let (x, r) = (x.cast(dtype), r.cast(dtype));
         let gamma = T::<B, 1>::random([channels], normal(1.0, 0.5), &dev);
         let beta = T::<B, 1>::random([channels], normal(0.0, 0.5), &dev);
         let running = [
@@ -842,7 +853,7 @@ mod tests {
                 p1(&gamma),
                 p1(&beta),
                 1e-5,
-                Layout::Nhwc,
+                layout,
                 false,
                 running,
                 0.1,
@@ -855,7 +866,7 @@ mod tests {
                 p1(&gamma),
                 p1(&beta),
                 1e-5,
-                Layout::Nhwc,
+                layout,
                 running,
                 0.1,
             );
@@ -871,7 +882,7 @@ mod tests {
             .backward();
         let v = |t: burn::tensor::TensorData| t.convert::<f32>().to_vec::<f32>().unwrap();
         let grad = |t: &T<B, 4>| v(t.grad(&grads).unwrap().into_data());
-        channels_last_norm::set_enabled(false);
+        norm_kernels::set_enabled(false);
         vec![
             v(out.into_data()),
             v(f1(rm).into_data()),
@@ -885,7 +896,7 @@ mod tests {
 
     #[test]
     #[ignore = "needs a CUDA GPU"]
-    fn channels_last_add_relu_matches_burns_operations_on_the_gpu() {
+    fn kiln_add_relu_matches_burns_operations_on_the_gpu() {
         let names = [
             "output",
             "running mean",
@@ -894,15 +905,17 @@ mod tests {
             "residual grad",
         ];
         let names = names.into_iter().chain(["gamma grad", "beta grad"]);
-        for (dtype, tol) in [(FloatDType::F32, 1e-3), (FloatDType::BF16, 2e-2)] {
-            for shape in [[6, 5], [6, 16], [512, 16]] {
-                let ours = add_relu(Kernels::ChannelsLast, dtype, shape);
-                let burn = add_relu(Kernels::Burn, dtype, shape);
+        let shapes = [[6, 5, 7, 9], [6, 16, 7, 9], [512, 16, 7, 9], [6, 16, 8, 8]];
+        let cases = [(FloatDType::F32, 1e-3), (FloatDType::BF16, 2e-2)];
+        for layout in [Layout::Nhwc, Layout::Nchw] {
+            for ((dtype, tol), shape) in cases.iter().flat_map(|c| shapes.map(|s| (*c, s))) {
+                let ours = add_relu(Kernels::Kiln, layout, dtype, shape);
+                let burn = add_relu(Kernels::Burn, layout, dtype, shape);
                 for (name, (a, b)) in names.clone().zip(ours.iter().zip(&burn)) {
                     let rel = rel_diff(a, b);
                     assert!(
                         rel < tol,
-                        "{dtype:?} {shape:?}: {name} differs by {rel} relative"
+                        "{layout:?} {dtype:?} {shape:?}: {name} differs by {rel} relative"
                     );
                 }
             }
@@ -923,7 +936,13 @@ mod tests {
         ];
         // An odd channel count and one cuDNN's NHWC kernels can vectorise.
         for relu in [false, true] {
-            compare(Kernels::Cudnn, &cases, &[[6, 5], [6, 16]], 1.0, relu);
+            compare(
+                Kernels::Cudnn,
+                &cases,
+                &[[6, 5, 7, 9], [6, 16, 7, 9]],
+                1.0,
+                relu,
+            );
         }
     }
 }
