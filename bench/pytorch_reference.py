@@ -44,8 +44,14 @@ def main() -> None:
     p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32")
     p.add_argument("--channels-last", action="store_true")
     p.add_argument("--compile", action="store_true")
+    # cuDNN times its candidate algorithms for each new shape and keeps the fastest,
+    # instead of taking its heuristics' first choice (PyTorch's default, and kiln's).
+    p.add_argument("--cudnn-benchmark", action="store_true")
+    # Also writes each CUDA kernel of three more steps (name, microseconds) as JSON.
+    p.add_argument("--profile", metavar="FILE")
     args = p.parse_args()
 
+    torch.backends.cudnn.benchmark = args.cudnn_benchmark
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     # Under torchrun, DDP even for one process (what its all-reduce costs alone).
@@ -96,6 +102,17 @@ def main() -> None:
         step()
     torch.cuda.synchronize()
     step_s = (time.perf_counter() - t) / args.steps
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+        kernels = [(e.name, e.time_range.end - e.time_range.start) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA]
+        if rank == 0:
+            with open(args.profile, "w") as f:
+                json.dump({"steps": 3, "kernels": kernels}, f)
     # What nvidia-smi shows in use on the GPU (the process's CUDA context and libraries
     # too), as kiln bench's memory_in_use_mib does.
     free, total = torch.cuda.mem_get_info()
@@ -113,6 +130,7 @@ def main() -> None:
         "precision": args.precision,
         "channels_last": args.channels_last,
         "compile": args.compile,
+        "cudnn_benchmark": args.cudnn_benchmark,
         "first_step_s": round(first, 3),
         "second_step_s": round(second, 3),
         "step_ms": round(step_s * 1e3, 3),
