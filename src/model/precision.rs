@@ -79,9 +79,13 @@ pub fn conv<B: ConvBackend>(conv: &Conv2d<B>, x: Tensor<B, 4>, c: Compute) -> Te
         return conv2d(x, c.layout.laid_out(conv.weight.val()), options, c.layout);
     };
     let dtype = x.dtype();
+    // The cast writes its result contiguous in the view's order, so the low-precision
+    // KRSC weight that cuDNN reads in the forward and data-gradient passes is not
+    // copied again; its gradient comes back as a KCRS view of a KRSC buffer, which
+    // the optimizer takes as it is (`SgdBackend`).
     let y = conv2d(
         x.cast(low),
-        c.layout.laid_out(conv.weight.val().cast(low)),
+        c.layout.laid_out(conv.weight.val()).cast(low),
         options,
         c.layout,
     );

@@ -1,14 +1,22 @@
 //! [`SgdBackend`] on CUDA: one kernel steps up to 32 parameters of one vector width (a
 //! cubecl `Sequence` of tensors, one cube row per parameter), a handful of launches per
 //! model instead of about nine tensor operations per parameter.
+//!
+//! The kernel steps a parameter, its gradient and its velocity element by element
+//! through their buffers, so it needs only that the three fill their buffers without
+//! gaps in one same order of their axes, not that the order be the standard one. In
+//! channels-last the convolutions' weight gradients arrive as KCRS views of KRSC
+//! buffers; the step then lays the parameter and its velocity out the same way (once),
+//! so that the next forward pass's KRSC view of the weight is contiguous and neither
+//! it nor the gradient is copied again on any later step.
 
 use std::collections::BTreeMap;
 
 use burn::cubecl::cuda::CudaRuntime;
-use burn::tensor::DType;
 use burn::tensor::ops::FloatTensor;
+use burn::tensor::{DType, Shape};
 use burn_cubecl::kernel::into_contiguous;
-use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
+use burn_cubecl::ops::permute;
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 use cubecl::prelude::*;
@@ -83,22 +91,91 @@ fn sgd_group_kernel<N: Size>(
 /// Threads per cube of [`sgd_group_kernel`].
 const THREADS: u32 = 256;
 
-/// A contiguous f32 tensor of `t`'s shape on its device.
+/// Strides of a tensor of `shape` whose buffer holds its axes in `order`, outermost
+/// first.
+fn strides_in_order(shape: &[usize], order: &[usize]) -> Vec<usize> {
+    let mut strides = vec![0; shape.len()];
+    let mut step = 1;
+    for &axis in order.iter().rev() {
+        strides[axis] = step;
+        step *= shape[axis];
+    }
+    strides
+}
+
+/// The order of the axes (outermost first) in which a tensor of `shape` and `strides`
+/// fills its buffer without gaps: a contiguous tensor or a permuted view of one.
+/// `None` for any other view. Axes of size one may sit anywhere.
+fn dense_order(shape: &[usize], strides: &[usize]) -> Option<Vec<usize>> {
+    let mut order: Vec<usize> = (0..shape.len()).collect();
+    order.sort_by_key(|&a| std::cmp::Reverse(strides[a]));
+    laid_out_in(shape, strides, &order).then_some(order)
+}
+
+/// Whether a tensor of `shape` and `strides` holds its axes in `order`, densely.
+fn laid_out_in(shape: &[usize], strides: &[usize], order: &[usize]) -> bool {
+    let dense = strides_in_order(shape, order);
+    (0..shape.len()).all(|a| shape[a] == 1 || strides[a] == dense[a])
+}
+
+/// The order all three buffers of one parameter's step take: the gradient's where the
+/// parameter still has the standard one (so a parameter follows its gradient's
+/// layout once, and then keeps it), else the parameter's own where it has one, else
+/// the standard order.
+fn step_order(shape: &[usize], param_strides: &[usize], grad_strides: &[usize]) -> Vec<usize> {
+    let standard: Vec<usize> = (0..shape.len()).collect();
+    if laid_out_in(shape, param_strides, &standard) {
+        return dense_order(shape, grad_strides).unwrap_or(standard);
+    }
+    dense_order(shape, param_strides).unwrap_or(standard)
+}
+
+/// `t` laid out densely with its axes in `order`: `t` itself where it already is,
+/// else a copy.
+fn in_order<R: CubeRuntime>(t: CubeTensor<R>, order: &[usize]) -> CubeTensor<R> {
+    if laid_out_in(t.meta.shape(), t.meta.strides(), order) {
+        return t;
+    }
+    let mut inverse = vec![0; order.len()];
+    for (i, &a) in order.iter().enumerate() {
+        inverse[a] = i;
+    }
+    permute(into_contiguous(permute(t, order)), &inverse)
+}
+
+/// An f32 tensor of `t`'s shape and strides (which are dense) on its device.
 fn empty_like<R: CubeRuntime>(t: &CubeTensor<R>) -> CubeTensor<R> {
-    empty_device_contiguous_dtype(
+    let bytes = t.meta.shape().num_elements() * DType::F32.size();
+    CubeTensor::new(
         t.client.clone(),
+        t.client.empty(bytes),
+        (*t.meta).clone(),
         t.device.clone(),
-        t.meta.shape().clone(),
         DType::F32,
     )
 }
 
-/// Where `t`'s new value goes (`t` contiguous, as `step_grouped` makes its inputs): `t`'s
-/// own buffer when nothing else holds it, else a new one. Each thread of the kernel reads an element before it writes that element, so
-/// it may write where it reads; in place, a step holds each parameter and velocity
-/// once instead of twice (with the gradient, three buffers per parameter as in
-/// PyTorch, not five). A tensor held elsewhere too (a checkpoint being written, a test's
-/// copy) keeps its values.
+/// `t`'s buffer as the flat vector sequence the kernel walks (its layout is dense and
+/// shared by every tensor of the parameter's step, so the kernel needs no strides).
+fn flat_arg<R: CubeRuntime>(t: &CubeTensor<R>) -> TensorArg<R> {
+    let n = t.meta.shape().num_elements();
+    CubeTensor::new_contiguous(
+        t.client.clone(),
+        t.device.clone(),
+        Shape::new([n]),
+        t.handle.clone(),
+        t.dtype,
+    )
+    .into_tensor_arg()
+}
+
+/// Where `t`'s new value goes (`t` laid out as its step's other buffers, as
+/// `step_grouped` makes them): `t`'s own buffer when nothing else holds it, else a
+/// new one of the same layout. Each thread of the kernel reads an element before it
+/// writes that element, so it may write where it reads; in place, a step holds each
+/// parameter and velocity once instead of twice (with the gradient, three buffers per
+/// parameter as in PyTorch, not five). A tensor held elsewhere too (a checkpoint
+/// being written, a test's copy) keeps its values.
 fn in_place_or_new<R: CubeRuntime>(t: &CubeTensor<R>) -> CubeTensor<R> {
     if t.can_mut() {
         t.clone()
@@ -127,10 +204,11 @@ fn step_grouped<R: CubeRuntime>(
                 p.client.io_optimized_vector_sizes(DType::F32.size()),
                 p.meta.shape().num_elements(),
             );
+            let order = step_order(p.meta.shape(), p.meta.strides(), g.meta.strides());
             (
-                into_contiguous(p),
-                into_contiguous(g),
-                v.map(into_contiguous),
+                in_order(p, &order),
+                in_order(g, &order),
+                v.map(|v| in_order(v, &order)),
                 vector,
             )
         })
@@ -156,21 +234,21 @@ fn step_grouped<R: CubeRuntime>(
                 longest = longest.max(len);
                 lens.push(len);
                 let new_p = in_place_or_new(p);
-                p_in.push(p.clone().into_tensor_arg());
-                g_in.push(g.clone().into_tensor_arg());
-                p_out.push(new_p.clone().into_tensor_arg());
+                p_in.push(flat_arg(p));
+                g_in.push(flat_arg(g));
+                p_out.push(flat_arg(&new_p));
                 new_params[i] = Some(new_p);
                 // Without momentum the kernel reads and writes no velocity.
                 if with_momentum {
                     let new_v = match v {
                         Some(v) => {
                             let new_v = in_place_or_new(v);
-                            v_in.push(v.clone().into_tensor_arg());
+                            v_in.push(flat_arg(v));
                             new_v
                         }
                         None => empty_like(p),
                     };
-                    v_out.push(new_v.clone().into_tensor_arg());
+                    v_out.push(flat_arg(&new_v));
                     new_velocities[i] = Some(new_v);
                 }
             }
@@ -229,6 +307,47 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> SgdBackend
             return step_reference::<Self>(params, grads, velocities, step);
         }
         step_grouped(params, grads, velocities, step)
+    }
+}
+
+/// The layout rules, on shapes and strides alone.
+#[cfg(test)]
+mod layout_tests {
+    use super::*;
+
+    // A KCRS weight [8, 4, 3, 3] and its KRSC buffer seen as KCRS.
+    const SHAPE: [usize; 4] = [8, 4, 3, 3];
+    const STANDARD: [usize; 4] = [36, 9, 3, 1];
+    const KRSC: [usize; 4] = [36, 1, 12, 4];
+
+    #[test]
+    fn dense_views_are_told_from_others() {
+        assert_eq!(dense_order(&SHAPE, &STANDARD), Some(vec![0, 1, 2, 3]));
+        assert_eq!(dense_order(&SHAPE, &KRSC), Some(vec![0, 2, 3, 1]));
+        assert_eq!(strides_in_order(&SHAPE, &[0, 2, 3, 1]), KRSC);
+        // A slice (gaps between rows) and a broadcast (overlap) are not dense.
+        assert_eq!(dense_order(&SHAPE, &[72, 9, 3, 1]), None);
+        assert_eq!(dense_order(&SHAPE, &[0, 9, 3, 1]), None);
+        // An axis of size one may carry any stride.
+        assert_eq!(
+            dense_order(&[4, 1, 3], &[3, 99, 1]).map(|o| o.len()),
+            Some(3)
+        );
+    }
+
+    #[test]
+    fn a_parameter_follows_its_gradient_once_and_then_keeps_its_layout() {
+        // Standard parameter, permuted gradient: both take the gradient's order.
+        assert_eq!(step_order(&SHAPE, &STANDARD, &KRSC), vec![0, 2, 3, 1]);
+        // Permuted parameter: a standard gradient is laid out as the parameter.
+        assert_eq!(step_order(&SHAPE, &KRSC, &STANDARD), vec![0, 2, 3, 1]);
+        assert_eq!(step_order(&SHAPE, &KRSC, &KRSC), vec![0, 2, 3, 1]);
+        // A gradient with gaps leaves the standard order.
+        assert_eq!(
+            step_order(&SHAPE, &STANDARD, &[72, 9, 3, 1]),
+            vec![0, 1, 2, 3]
+        );
+        assert_eq!(step_order(&SHAPE, &STANDARD, &STANDARD), vec![0, 1, 2, 3]);
     }
 }
 
@@ -321,6 +440,92 @@ mod tests {
             }
         }
     }
+    /// Gradients that are permuted views of dense buffers (channels-last weight
+    /// gradients) step their parameters as Burn's operations do, and the parameters
+    /// and velocities come back in the gradients' layout, so that the next step copies
+    /// nothing.
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn sgd_kernels_take_permuted_gradients_on_the_gpu() {
+        // The backend under fusion, whose tensors show their strides.
+        type Cube = CubeBackend<CudaRuntime, f32, i32, u8>;
+        let dev = CudaDevice::new(0);
+        let shapes = [vec![16, 8, 3, 3], vec![12, 5, 1, 1], vec![6, 3, 7, 7]];
+        let make = |seed: u64| {
+            <Cube as Backend>::seed(&dev, seed);
+            shapes
+                .iter()
+                .map(|s| {
+                    let dims = [s[0], s[1], s[2], s[3]];
+                    Tensor::<Cube, 4>::random(dims, Distribution::Normal(0.0, 1.0), &dev)
+                        .into_primitive()
+                        .tensor()
+                })
+                .collect::<Vec<_>>()
+        };
+        let krsc = |t: FloatTensor<Cube>| {
+            let buffer = into_contiguous(permute(t, &[0, 2, 3, 1]));
+            permute(buffer, &[0, 3, 1, 2])
+        };
+        let values = |t: FloatTensor<Cube>| {
+            Tensor::<Cube, 4>::from_primitive(TensorPrimitive::Float(t))
+                .into_data()
+                .to_vec::<f32>()
+                .unwrap()
+        };
+        let step = SgdStep {
+            lr: 0.1,
+            momentum: 0.9,
+            dampening: 0.0,
+            nesterov: false,
+            weight_decay: 5e-4,
+        };
+        let (p, g1, g2) = (make(1), make(2), make(3));
+        // The kernels on [K, C, R, S] views of [K, R, S, C] buffers; Burn's operations
+        // on standard tensors.
+        let grads = |ts: &[FloatTensor<Cube>], permuted: bool| {
+            let ts = ts.iter().cloned();
+            if permuted {
+                ts.map(krsc).collect()
+            } else {
+                ts.collect::<Vec<_>>()
+            }
+        };
+        // Two steps (the first makes the velocities).
+        let run = |kernels: bool| {
+            let go = |p, g, v| {
+                if kernels {
+                    <Cube as SgdBackend>::sgd_step(p, g, v, step)
+                } else {
+                    step_reference::<Cube>(p, g, v, step)
+                }
+            };
+            let (p, v) = go(p.clone(), grads(&g1, kernels), vec![None; shapes.len()]);
+            go(p, grads(&g2, kernels), v)
+        };
+        let (p_ref, v_ref) = run(false);
+        let (p_ker, v_ker) = run(true);
+        for (i, (a, b)) in p_ker.iter().zip(&p_ref).enumerate() {
+            let (shape, strides) = (a.meta.shape(), a.meta.strides());
+            assert!(
+                laid_out_in(shape, strides, &[0, 2, 3, 1]),
+                "parameter {i} is not laid out as its gradient: {strides:?}"
+            );
+            let rel = rel_diff(&values(a.clone()), &values(b.clone()));
+            assert!(rel < 1e-6, "parameter {i} differs by {rel}");
+        }
+        for (i, (a, b)) in v_ker.into_iter().zip(v_ref).enumerate() {
+            let (a, b) = (a.unwrap(), b.unwrap());
+            let (shape, strides) = (a.meta.shape(), a.meta.strides());
+            assert!(
+                laid_out_in(shape, strides, &[0, 2, 3, 1]),
+                "velocity {i} is not laid out as its gradient: {strides:?}"
+            );
+            let rel = rel_diff(&values(a), &values(b));
+            assert!(rel < 1e-6, "velocity {i} differs by {rel}");
+        }
+    }
+
     /// Parameters and velocities held elsewhere too keep their values (the step writes
     /// new buffers for them), and the step's results are the same either way.
     #[test]
