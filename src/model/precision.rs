@@ -83,8 +83,18 @@ pub fn conv<B: ConvBackend>(conv: &Conv2d<B>, x: Tensor<B, 4>, c: Compute) -> Te
     // KRSC weight that cuDNN reads in the forward and data-gradient passes is not
     // copied again; its gradient comes back as a KCRS view of a KRSC buffer, which
     // the optimizer takes as it is (`SgdBackend`).
+    // Channels-last activations already come in the low precision: a cast to the same
+    // dtype would still be a node of the autodiff graph, between the input and its two
+    // consumers in a residual block, and the sum of their gradients would then be an
+    // addition of its own instead of accumulating into the data gradient
+    // (`ConvBackend::conv2d_grad_x_onto`).
+    let x = if x.dtype() == low.into() {
+        x
+    } else {
+        x.cast(low)
+    };
     let y = conv2d(
-        x.cast(low),
+        x,
         c.layout.laid_out(conv.weight.val()).cast(low),
         options,
         c.layout,

@@ -54,6 +54,22 @@ pub trait ConvBackend: Backend {
         )
     }
 
+    /// [`ConvBackend::conv2d_grad_x`] added to `onto`, a gradient of the same input
+    /// from its other consumer (a residual block's input feeds its first convolution
+    /// and its shortcut). A library that accumulates into its output (cuDNN) does the
+    /// sum in the same pass instead of writing the gradient and adding it after.
+    fn conv2d_grad_x_onto(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        output_grad: FloatTensor<Self>,
+        onto: FloatTensor<Self>,
+        options: ConvOptions<2>,
+        layout: Layout,
+    ) -> FloatTensor<Self> {
+        let dx = Self::conv2d_grad_x(x, weight, output_grad, options, layout);
+        Self::float_add(dx, onto)
+    }
+
     /// The gradient with respect to the weight, given the output's gradient.
     fn conv2d_grad_weight(
         x: FloatTensor<Self>,
@@ -123,7 +139,17 @@ impl<B: ConvBackend, C: CheckpointStrategy> ConvBackend for Autodiff<B, C> {
         struct Conv2d;
 
         impl<B: ConvBackend> Backward<B, 2> for Conv2d {
-            type State = (NodeId, NodeId, ConvOptions<2>, Layout);
+            /// The last part finds the gradient that the input's other consumer
+            /// registered before this step runs: Burn looks gradients up by tensor, so
+            /// it is the input's handle, with the weight's buffer (which the step keeps
+            /// anyway) in place of the input's, which it may not keep.
+            type State = (
+                NodeId,
+                NodeId,
+                ConvOptions<2>,
+                Layout,
+                FloatTensor<Autodiff<B>>,
+            );
 
             fn backward(
                 self,
@@ -133,12 +159,16 @@ impl<B: ConvBackend, C: CheckpointStrategy> ConvBackend for Autodiff<B, C> {
             ) {
                 let [node_x, node_weight] = ops.parents;
                 let grad = grads.consume::<B>(&ops.node);
-                let (x_state, weight_state, options, layout) = ops.state;
+                let (x_state, weight_state, options, layout, input_key) = ops.state;
                 let x = checkpointer.retrieve_node_output::<FloatTensor<B>>(x_state);
                 let weight = checkpointer.retrieve_node_output::<FloatTensor<B>>(weight_state);
                 if let Some(node) = node_x {
                     let (x, w, g) = (x.clone(), weight.clone(), grad.clone());
-                    let dx = B::conv2d_grad_x(x, w, g, options.clone(), layout);
+                    let o = options.clone();
+                    let dx = match grads.remove::<B>(&input_key) {
+                        Some(onto) => B::conv2d_grad_x_onto(x, w, g, onto, o, layout),
+                        None => B::conv2d_grad_x(x, w, g, o, layout),
+                    };
                     grads.register::<B>(node.id, dx);
                 }
                 if let Some(node) = node_weight {
@@ -156,8 +186,10 @@ impl<B: ConvBackend, C: CheckpointStrategy> ConvBackend for Autodiff<B, C> {
             OpsKind::Tracked(mut prep) => {
                 let x_state = prep.checkpoint(&x);
                 let weight_state = prep.checkpoint(&weight);
+                let mut input_key = x.clone();
+                input_key.primitive = weight.primitive.clone();
                 let y = B::conv2d_nobias(x.primitive, weight.primitive, options.clone(), layout);
-                prep.finish((x_state, weight_state, options, layout), y)
+                prep.finish((x_state, weight_state, options, layout, input_key), y)
             }
             OpsKind::UnTracked(prep) => prep.finish(B::conv2d_nobias(
                 x.primitive,
@@ -183,7 +215,7 @@ mod tests {
 
     /// The same convolution through Burn's autodiff and through ours, in both layouts:
     /// same output, same gradients for input and weight, for a stride-1 and two
-    /// strided cases.
+    /// strided cases, with the input feeding a second consumer as well.
     fn agrees_with_burn<B: ConvBackend + AutodiffBackend>() {
         let _rng = rng_lock();
         let dev = Default::default();
@@ -196,26 +228,45 @@ mod tests {
             let x = Tensor::<B, 4>::random([2, 3, size, size], normal, &dev);
             let w = Tensor::<B, 4>::random([4, 3, 3, 3], normal, &dev);
             let options = ConvOptions::new([stride, stride], [padding, padding], [1, 1], 1);
+            // A loss that weighs every element differently, so a transposed or
+            // misplaced gradient cannot pass.
+            let weighed = |t: Tensor<B, 4>| {
+                let n = t.shape().num_elements() as i64;
+                let weights = Tensor::<B, 1, burn::tensor::Int>::arange(0..n, &dev)
+                    .float()
+                    .reshape(t.shape());
+                (t * weights).sum()
+            };
             let run = |ours: bool| {
                 let (x, w) = (x.clone().require_grad(), w.clone().require_grad());
-                let y = match (ours, layout) {
-                    (true, Layout::Nchw) => conv2d(x.clone(), w.clone(), options.clone(), layout),
+                let nhwc = |t: Tensor<B, 4>| t.permute([0, 2, 3, 1]);
+                // The convolution's input has a second consumer, recorded after it (as
+                // a residual block's shortcut is), so that its gradient is there when
+                // the convolution's backward step runs and the data gradient adds
+                // onto it.
+                let (y, input) = match (ours, layout) {
+                    (true, Layout::Nchw) => (
+                        conv2d(x.clone(), w.clone(), options.clone(), layout),
+                        x.clone(),
+                    ),
                     // Channels-last views in, an NCHW view of the output back out; the
                     // gradients reach the NCHW leaves through the permutations.
                     (true, Layout::Nhwc) => {
-                        let nhwc = |t: Tensor<B, 4>| t.permute([0, 2, 3, 1]);
-                        conv2d(nhwc(x.clone()), nhwc(w.clone()), options.clone(), layout)
-                            .permute([0, 3, 1, 2])
+                        let input = nhwc(x.clone());
+                        let y = conv2d(input.clone(), nhwc(w.clone()), options.clone(), layout);
+                        (y.permute([0, 3, 1, 2]), input)
                     }
-                    (false, _) => module::conv2d(x.clone(), w.clone(), None, options.clone()),
+                    (false, _) => (
+                        module::conv2d(x.clone(), w.clone(), None, options.clone()),
+                        x.clone(),
+                    ),
                 };
-                // A loss that weighs every output differently, so a transposed or
-                // misplaced gradient cannot pass.
-                let n = y.shape().num_elements() as i64;
-                let weights = Tensor::<B, 1, burn::tensor::Int>::arange(0..n, &dev)
-                    .float()
-                    .reshape(y.shape());
-                let grads = (y.clone() * weights).sum().backward();
+                let shortcut = match (ours, layout) {
+                    (true, Layout::Nhwc) => input.permute([0, 3, 1, 2]),
+                    _ => input,
+                };
+                let loss = weighed(y.clone()) + weighed(shortcut * 0.5);
+                let grads = loss.backward();
                 (
                     values(y),
                     values(x.grad(&grads).unwrap()),

@@ -39,6 +39,10 @@ impl<B: FusionBackend + ConvBackend> Operation<B::FusionRuntime> for ConvOp<B> {
         let mut get = |i: usize| handles.get_float_tensor::<B>(&inputs[i]);
         let result = match self.part {
             ConvPass::Forward => B::conv2d_nobias(get(0), get(1), options, layout),
+            // A fourth input is the gradient the data gradient adds onto.
+            ConvPass::GradX if inputs.len() == 4 => {
+                B::conv2d_grad_x_onto(get(0), get(1), get(2), get(3), options, layout)
+            }
             ConvPass::GradX => B::conv2d_grad_x(get(0), get(1), get(2), options, layout),
             ConvPass::GradWeight => B::conv2d_grad_weight(get(0), get(1), get(2), options, layout),
         };
@@ -124,6 +128,25 @@ impl<B: FusionBackend + ConvBackend> ConvBackend for Fusion<B> {
             ConvPass::GradX,
             "kiln_conv2d_grad_x",
             vec![x, weight, output_grad],
+            shape,
+            options,
+            layout,
+        )
+    }
+
+    fn conv2d_grad_x_onto(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        output_grad: FloatTensor<Self>,
+        onto: FloatTensor<Self>,
+        options: ConvOptions<2>,
+        layout: Layout,
+    ) -> FloatTensor<Self> {
+        let shape = x.shape.clone();
+        register_conv::<B>(
+            ConvPass::GradX,
+            "kiln_conv2d_grad_x_onto",
+            vec![x, weight, output_grad, onto],
             shape,
             options,
             layout,

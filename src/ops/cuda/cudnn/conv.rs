@@ -7,14 +7,15 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use burn::cubecl::cuda::CudaRuntime;
 use burn::tensor::Shape;
-use burn::tensor::ops::{ConvOptions, FloatTensor};
+use burn::tensor::ops::{ConvOptions, FloatTensor, FloatTensorOps};
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
+use cubecl::server::Handle;
 use cudarc::cudnn::{result as dnn, sys};
 
 use super::super::kiln_stream::{After, Lane};
 use super::graph::{self, GraphPlan};
-use super::legacy::{Algo, Descriptors, Plan, data_type, write_scaling};
+use super::legacy::{Algo, Descriptors, Plan, data_type, scaling};
 use super::{Dnn, Planned, Tensor, has_symbols, on_cudnn_planned};
 use crate::ops::conv::burn_conv2d;
 use crate::ops::{ConvBackend, ConvPass, Layout, LibraryCall, conv2d_output_dims};
@@ -40,6 +41,9 @@ pub(super) struct ConvKey {
     pub(super) dims: [[i32; 4]; 3],
     pub(super) options: ConvOptions<2>,
     pub(super) layout: Layout,
+    /// The result is added to what the output buffer holds (cuDNN's `beta` 1), for a
+    /// data gradient onto another gradient of the same input.
+    pub(super) accumulate: bool,
 }
 
 /// One convolution shape, ready to run.
@@ -77,12 +81,14 @@ pub(super) fn dims(t: &Tensor, layout: Layout) -> [i32; 4] {
 }
 
 /// One part of the convolution through cuDNN. `grad` is the output's gradient
-/// (the two backward parts).
+/// (the two backward parts); `onto`, a contiguous buffer of the output's shape and
+/// dtype that the result is added to, in place (the data gradient only).
 pub(super) fn run(
     part: ConvPass,
     x: &Tensor,
     w: &Tensor,
     grad: Option<&Tensor>,
+    onto: Option<Handle>,
     options: &ConvOptions<2>,
     layout: Layout,
 ) -> Result<Tensor, String> {
@@ -118,10 +124,11 @@ pub(super) fn run(
         dims: [xd, wd, yd],
         options: options.clone(),
         layout,
+        accumulate: onto.is_some(),
     };
     let client = x.client.clone();
     let bytes = out_dims.iter().map(|&d| d as usize).product::<usize>() * x.dtype.size();
-    let out = client.empty(bytes);
+    let out = onto.unwrap_or_else(|| client.empty(bytes));
     let job = {
         let (client, key, out) = (client.clone(), key.clone(), out.clone());
         let x = (part != ConvPass::GradX).then(|| x.handle.clone());
@@ -155,7 +162,7 @@ pub(super) fn run(
                     }
                     Conv::Legacy { descs, plan } => (descs, plan),
                 };
-                let (a, b) = write_scaling();
+                let (a, b) = scaling(key.accumulate);
                 let err = |e: dnn::CudnnError| format!("{key:?}: {e:?}");
                 // SAFETY: the pointers are live device buffers of the sizes the
                 // descriptors state (contiguous, in the described layout, checked
@@ -203,16 +210,53 @@ pub(super) fn convolve<F: FloatElement, I: IntElement, BT: BoolElement>(
     options: ConvOptions<2>,
     layout: Layout,
 ) -> Tensor {
+    convolve_onto::<F, I, BT>(part, x, w, grad, None, options, layout)
+}
+
+/// Data gradients that cuDNN added onto another gradient as it wrote them.
+#[cfg(test)]
+static ADDED_IN_PLACE: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// [`convolve`], its result added to `onto` where given: by cuDNN as it writes,
+/// into `onto`'s buffer, where nothing else holds that buffer; else after, as Burn adds.
+fn convolve_onto<F: FloatElement, I: IntElement, BT: BoolElement>(
+    part: ConvPass,
+    x: Tensor,
+    w: Tensor,
+    grad: Option<Tensor>,
+    onto: Option<Tensor>,
+    options: ConvOptions<2>,
+    layout: Layout,
+) -> Tensor {
+    type Cube<F, I, BT> = CubeBackend<CudaRuntime, F, I, BT>;
     static WARNED: AtomicBool = AtomicBool::new(false);
+    let onto = onto.map(into_contiguous);
+    let in_place = onto
+        .as_ref()
+        .filter(|o| o.can_mut() && o.dtype == x.dtype && o.meta.shape() == x.meta.shape());
+    let into = in_place.map(|o| o.handle.clone());
+    let added = into.is_some();
     let ours = routed()
         .then(|| {
-            let result = run(part, &x, &w, grad.as_ref(), &options, layout);
+            let result = run(part, &x, &w, grad.as_ref(), into, &options, layout);
             warn_once(result, &WARNED, "a convolution", "kernels")
         })
         .flatten();
-    ours.unwrap_or_else(|| {
-        burn_conv2d::<CubeBackend<CudaRuntime, F, I, BT>>(part, x, w, grad, options, layout)
-    })
+    #[cfg(test)]
+    if added && ours.is_some() {
+        ADDED_IN_PLACE.fetch_add(1, Ordering::Relaxed);
+    }
+    let (result, added) = match ours {
+        Some(result) => (result, added),
+        None => {
+            let result = burn_conv2d::<Cube<F, I, BT>>(part, x, w, grad, options, layout);
+            (result, false)
+        }
+    };
+    match onto {
+        Some(onto) if !added => Cube::<F, I, BT>::float_add(result, onto),
+        _ => result,
+    }
 }
 
 /// `result`'s value, or `None` (Burn runs the work instead) with a warning the first
@@ -264,6 +308,18 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> ConvBackend
         convolve::<F, I, BT>(ConvPass::GradX, x, weight, grad, options, layout)
     }
 
+    fn conv2d_grad_x_onto(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        output_grad: FloatTensor<Self>,
+        onto: FloatTensor<Self>,
+        options: ConvOptions<2>,
+        layout: Layout,
+    ) -> FloatTensor<Self> {
+        let (grad, onto) = (Some(output_grad), Some(onto));
+        convolve_onto::<F, I, BT>(ConvPass::GradX, x, weight, grad, onto, options, layout)
+    }
+
     fn conv2d_grad_weight(
         x: FloatTensor<Self>,
         weight: FloatTensor<Self>,
@@ -311,17 +367,24 @@ mod tests {
             Layout::Nchw => t.cast(dtype),
             Layout::Nhwc => t.cast(dtype).permute([0, 2, 3, 1]),
         };
-        let y = conv2d(into(x.clone()), into(w.clone()), options, layout).cast(FloatDType::F32);
-        let y = match layout {
-            Layout::Nchw => y,
-            Layout::Nhwc => y.permute([0, 3, 1, 2]),
+        let nchw = |t: T<B, 4>| match layout {
+            Layout::Nchw => t.cast(FloatDType::F32),
+            Layout::Nhwc => t.cast(FloatDType::F32).permute([0, 3, 1, 2]),
         };
-        let n = y.shape().num_elements() as i64;
-        let weights = T::<B, 1, burn::tensor::Int>::arange(0..n, &dev)
-            .float()
-            .reshape(y.shape())
-            / n as f32;
-        let grads = (y.clone() * weights).sum().backward();
+        let input = into(x.clone());
+        let y = nchw(conv2d(input.clone(), into(w.clone()), options, layout));
+        // The input feeds a shortcut too, recorded after the convolution as in a
+        // residual block, so that the data gradient adds onto the shortcut's gradient.
+        let shortcut = nchw(input);
+        let weighed = |t: T<B, 4>| {
+            let n = t.shape().num_elements() as i64;
+            let weights = T::<B, 1, burn::tensor::Int>::arange(0..n, &dev)
+                .float()
+                .reshape(t.shape())
+                / n as f32;
+            (t * weights).sum()
+        };
+        let grads = (weighed(y.clone()) + weighed(shortcut)).backward();
         let v = |t: burn::tensor::TensorData| t.convert::<f32>().to_vec::<f32>().unwrap();
         [
             v(y.into_data()),
@@ -340,6 +403,7 @@ mod tests {
             (FloatDType::F32, Layout::Nhwc, 2e-2),
             (FloatDType::BF16, Layout::Nhwc, 1e-1),
         ];
+        let added_before = ADDED_IN_PLACE.load(Ordering::Relaxed);
         for (dtype, layout, tol) in cases {
             for (stride, size) in [(1, 9), (2, 7), (2, 8)] {
                 let ours = run(true, dtype, layout, stride, size);
@@ -357,6 +421,11 @@ mod tests {
             }
         }
         set_convolutions(false);
+        let added = ADDED_IN_PLACE.load(Ordering::Relaxed) - added_before;
+        assert_eq!(
+            added, 12,
+            "data gradients added onto the shortcut's by cuDNN"
+        );
     }
 
     /// The classifier's product (`model::precision::dense`: a 1x1 convolution over 1x1

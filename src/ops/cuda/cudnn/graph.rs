@@ -250,9 +250,10 @@ impl GraphPlan {
         };
         let [alpha, beta, conv_desc, x_name, w_name, y_name] = names;
         let op = Desc::new(kind)?;
-        // The result replaces the output.
+        // The result replaces the output, or is added to it.
+        let beta_value = if key.accumulate { 1.0f32 } else { 0.0 };
         op.set(alpha, Type::CUDNN_TYPE_FLOAT, &[1.0f32])?;
-        op.set(beta, Type::CUDNN_TYPE_FLOAT, &[0.0f32])?;
+        op.set(beta, Type::CUDNN_TYPE_FLOAT, &[beta_value])?;
         op.set_desc(conv_desc, &conv)?;
         op.set_desc(x_name, &x)?;
         op.set_desc(w_name, &w)?;

@@ -227,10 +227,17 @@ pub(super) fn choose(
 
 /// cuDNN's `alpha` and `beta` for "the result replaces the output" (1 and 0).
 pub(super) fn write_scaling() -> (*const c_void, *const c_void) {
+    scaling(false)
+}
+
+/// cuDNN's `alpha` and `beta`: the result replaces the output (1 and 0), or is added
+/// to it (`accumulate`: 1 and 1).
+pub(super) fn scaling(accumulate: bool) -> (*const c_void, *const c_void) {
     static ONE: f32 = 1.0;
     static ZERO: f32 = 0.0;
+    let beta = if accumulate { &ONE } else { &ZERO };
     (
         &ONE as *const f32 as *const c_void,
-        &ZERO as *const f32 as *const c_void,
+        beta as *const f32 as *const c_void,
     )
 }

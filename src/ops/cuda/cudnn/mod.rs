@@ -97,6 +97,7 @@ pub fn probe(ordinal: usize) -> Result<String, String> {
                 dims: [[8, 16, 32, 32], [16, 16, 3, 3], [8, 16, 32, 32]],
                 options: ConvOptions::new([1, 1], [1, 1], [1, 1], 1),
                 layout: Layout::Nchw,
+                accumulate: false,
             };
             dnn.conv(&key, handle).map(|_| ())
         })
