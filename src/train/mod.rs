@@ -39,4 +39,6 @@ pub use fit::{Outcome, TrainJob};
 pub use precompile::WarmupJob;
 pub use predict::{PredictJob, top_k};
 pub use strategy::ReplicaError;
-pub use throughput::{BenchJob, PoolProbe, PoolUsage};
+#[cfg(feature = "cuda")]
+pub use throughput::PoolUsage;
+pub use throughput::{BenchJob, PoolProbe};
