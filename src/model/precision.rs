@@ -79,10 +79,6 @@ pub fn conv<B: ConvBackend>(conv: &Conv2d<B>, x: Tensor<B, 4>, c: Compute) -> Te
         return conv2d(x, c.layout.laid_out(conv.weight.val()), options, c.layout);
     };
     let dtype = x.dtype();
-    // The cast writes its result contiguous in the view's order, so the low-precision
-    // KRSC weight that cuDNN reads in the forward and data-gradient passes is not
-    // copied again; its gradient comes back as a KCRS view of a KRSC buffer, which
-    // the optimizer takes as it is (`SgdBackend`).
     // Channels-last activations already come in the low precision: a cast to the same
     // dtype would still be a node of the autodiff graph, between the input and its two
     // consumers in a residual block, and the sum of their gradients would then be an
@@ -95,6 +91,10 @@ pub fn conv<B: ConvBackend>(conv: &Conv2d<B>, x: Tensor<B, 4>, c: Compute) -> Te
     };
     let y = conv2d(
         x,
+        // The cast writes its result contiguous in the view's order, so the
+        // low-precision KRSC weight that cuDNN reads in the forward and data-gradient
+        // passes is not copied again; its gradient comes back as a KCRS view of a
+        // KRSC buffer, which the optimizer takes as it is (`SgdBackend`).
         c.layout.laid_out(conv.weight.val()).cast(low),
         options,
         c.layout,

@@ -440,6 +440,7 @@ mod tests {
             }
         }
     }
+
     /// Gradients that are permuted views of dense buffers (channels-last weight
     /// gradients) step their parameters as Burn's operations do, and the parameters
     /// and velocities come back in the gradients' layout, so that the next step copies
