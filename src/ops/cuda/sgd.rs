@@ -506,24 +506,20 @@ mod tests {
         };
         let (p_ref, v_ref) = run(false);
         let (p_ker, v_ker) = run(true);
-        for (i, (a, b)) in p_ker.iter().zip(&p_ref).enumerate() {
+        let check = |what: &str, i: usize, a: FloatTensor<Cube>, b: FloatTensor<Cube>| {
             let (shape, strides) = (a.meta.shape(), a.meta.strides());
             assert!(
                 laid_out_in(shape, strides, &[0, 2, 3, 1]),
-                "parameter {i} is not laid out as its gradient: {strides:?}"
-            );
-            let rel = rel_diff(&values(a.clone()), &values(b.clone()));
-            assert!(rel < 1e-6, "parameter {i} differs by {rel}");
-        }
-        for (i, (a, b)) in v_ker.into_iter().zip(v_ref).enumerate() {
-            let (a, b) = (a.unwrap(), b.unwrap());
-            let (shape, strides) = (a.meta.shape(), a.meta.strides());
-            assert!(
-                laid_out_in(shape, strides, &[0, 2, 3, 1]),
-                "velocity {i} is not laid out as its gradient: {strides:?}"
+                "{what} {i} is not laid out as its gradient: {strides:?}"
             );
             let rel = rel_diff(&values(a), &values(b));
-            assert!(rel < 1e-6, "velocity {i} differs by {rel}");
+            assert!(rel < 1e-6, "{what} {i} differs by {rel}");
+        };
+        for (i, (a, b)) in p_ker.into_iter().zip(p_ref).enumerate() {
+            check("parameter", i, a, b);
+        }
+        for (i, (a, b)) in v_ker.into_iter().zip(v_ref).enumerate() {
+            check("velocity", i, a.unwrap(), b.unwrap());
         }
     }
 

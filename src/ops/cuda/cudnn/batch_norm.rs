@@ -17,8 +17,8 @@ use cudarc::cudnn::{result as dnn, sys};
 use super::super::kiln_stream::{After, Client, Lane};
 use super::super::norm_kernels;
 use super::{
-    Dnn, Planned, Tensor, data_type, dims, has_symbols, on_cudnn_planned, tensor_format, warn_once,
-    write_scaling,
+    Dnn, Planned, Tensor, data_type, dims, has_symbols, on_cudnn_planned, scaling, tensor_format,
+    warn_once,
 };
 use crate::ops::norm::{
     add_relu_grad_reference, add_relu_train_reference, blend_reference, grad_reference,
@@ -295,7 +295,7 @@ fn norm_train(
     let ([x, gamma, beta], key) = norm_inputs([x, gamma, beta], &[0], layout)?;
     let inputs = [&x, &gamma, &beta].map(|t| t.handle.clone()).to_vec();
     queue_norm(&x, key, Pass::Train, inputs, move |descs, h, p| {
-        let (a, b) = write_scaling();
+        let (a, b) = scaling(false);
         // SAFETY: contiguous buffers of the described shapes and dtypes, the
         // workspace as large as cuDNN asked; the running statistics (both null) are
         // updated by the caller, as Burn's module does.
@@ -368,7 +368,7 @@ fn norm_grad(
         .map(|t| t.handle.clone())
         .to_vec();
     queue_norm(&x, key, Pass::Grad, inputs, move |descs, h, p| {
-        let (a, b) = write_scaling();
+        let (a, b) = scaling(false);
         // SAFETY: contiguous buffers of the described shapes and dtypes, the
         // workspace as large as cuDNN asked; mean and inverse deviation are the
         // forward pass's, computed with the same epsilon.

@@ -231,30 +231,27 @@ fn convolve_onto<F: FloatElement, I: IntElement, BT: BoolElement>(
     type Cube<F, I, BT> = CubeBackend<CudaRuntime, F, I, BT>;
     static WARNED: AtomicBool = AtomicBool::new(false);
     let onto = onto.map(into_contiguous);
-    let in_place = onto
+    let into = onto
         .as_ref()
-        .filter(|o| o.can_mut() && o.dtype == x.dtype && o.meta.shape() == x.meta.shape());
-    let into = in_place.map(|o| o.handle.clone());
-    let added = into.is_some();
+        .filter(|o| o.can_mut() && o.dtype == x.dtype && o.meta.shape() == x.meta.shape())
+        .map(|o| o.handle.clone());
+    let writes_onto = into.is_some();
     let ours = routed()
         .then(|| {
             let result = run(part, &x, &w, grad.as_ref(), into, &options, layout);
             warn_once(result, &WARNED, "a convolution", "kernels")
         })
         .flatten();
+    // cuDNN summed into `onto` only where it ran and was given the buffer.
+    let summed = writes_onto && ours.is_some();
     #[cfg(test)]
-    if added && ours.is_some() {
+    if summed {
         ADDED_IN_PLACE.fetch_add(1, Ordering::Relaxed);
     }
-    let (result, added) = match ours {
-        Some(result) => (result, added),
-        None => {
-            let result = burn_conv2d::<Cube<F, I, BT>>(part, x, w, grad, options, layout);
-            (result, false)
-        }
-    };
+    let result =
+        ours.unwrap_or_else(|| burn_conv2d::<Cube<F, I, BT>>(part, x, w, grad, options, layout));
     match onto {
-        Some(onto) if !added => Cube::<F, I, BT>::float_add(result, onto),
+        Some(onto) if !summed => Cube::<F, I, BT>::float_add(result, onto),
         _ => result,
     }
 }

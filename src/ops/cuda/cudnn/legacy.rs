@@ -225,11 +225,6 @@ pub(super) fn choose(
     Err(format!("cuDNN proposes no usable algorithm for {key:?}"))
 }
 
-/// cuDNN's `alpha` and `beta` for "the result replaces the output" (1 and 0).
-pub(super) fn write_scaling() -> (*const c_void, *const c_void) {
-    scaling(false)
-}
-
 /// cuDNN's `alpha` and `beta`: the result replaces the output (1 and 0), or is added
 /// to it (`accumulate`: 1 and 1).
 pub(super) fn scaling(accumulate: bool) -> (*const c_void, *const c_void) {

@@ -45,7 +45,7 @@ use conv::{Conv, ConvKey, dims, warn_once};
 use graph::GraphPlan;
 pub use handle::workspace_peak;
 use handle::{Dnn, Planned, on_cudnn_planned, with_cudnn};
-use legacy::{data_type, tensor_format, write_scaling};
+use legacy::{data_type, scaling, tensor_format};
 
 type Tensor = CubeTensor<CudaRuntime>;
 
