@@ -87,3 +87,18 @@ pub fn tiny_batches() -> Vec<crate::data::Batch> {
     let (train, _) = data.loaders(&cfg.data, 8, 0);
     train.epoch(0, 0).map(Result::unwrap).collect()
 }
+
+/// A loss that weighs every element of `t` by its flat index over the element count, so
+/// a transposed or misplaced gradient cannot pass. Summed in f32, so half-precision
+/// outputs are compared on the same scale.
+pub fn weighed_sum<B: burn::tensor::backend::Backend, const D: usize>(
+    t: burn::tensor::Tensor<B, D>,
+) -> burn::tensor::Tensor<B, 1> {
+    use burn::tensor::{FloatDType, Int, Tensor};
+    let n = t.shape().num_elements() as i64;
+    let weights = Tensor::<B, 1, Int>::arange(0..n, &t.device())
+        .float()
+        .reshape(t.shape())
+        .div_scalar(n as f64);
+    (t.cast(FloatDType::F32) * weights).sum()
+}

@@ -765,7 +765,7 @@ fn norm_node<B: NormBackend, C: CheckpointStrategy, const K: usize>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::test_util::{TestBackend, max_diff, rng_lock};
+    use crate::test_util::{TestBackend, max_diff, rng_lock, weighed_sum};
     use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
     use burn::module::Param;
     use burn::nn::BatchNormConfig;
@@ -831,13 +831,7 @@ mod tests {
                     None if relu => burn::tensor::activation::relu(bn.forward(x.clone())),
                     None => bn.forward(x.clone()),
                 };
-                // Weigh every output differently, so a misplaced gradient cannot pass.
-                let n = y.shape().num_elements() as i64;
-                let weights = Tensor::<B, 1, burn::tensor::Int>::arange(0..n, &dev)
-                    .float()
-                    .reshape(y.shape())
-                    .div_scalar(n as f64);
-                let grads = (y.clone() * weights).sum().backward();
+                let grads = weighed_sum(y.clone()).backward();
                 let dr = r.grad(&grads).map(values).unwrap_or_default();
                 out.push([
                     values(y),
@@ -964,12 +958,7 @@ mod tests {
         let run = |dtype: FloatDType| {
             let x = x.clone().cast(dtype).require_grad();
             let y = batch_norm(&bn, x.clone(), Layout::Nhwc);
-            let n = y.shape().num_elements() as i64;
-            let weights = Tensor::<TestBackend, 1, burn::tensor::Int>::arange(0..n, &dev)
-                .float()
-                .reshape(y.shape())
-                .div_scalar(n as f64);
-            let grads = (y.clone().cast(FloatDType::F32) * weights).sum().backward();
+            let grads = weighed_sum(y.clone()).backward();
             let dx = x.grad(&grads).unwrap();
             let dgamma = bn.gamma.grad(&grads).unwrap();
             (

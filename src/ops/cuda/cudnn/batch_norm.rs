@@ -650,7 +650,7 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> NormBackend
 mod tests {
     use super::super::probe;
     use super::*;
-    use crate::test_util::rel_diff;
+    use crate::test_util::{rel_diff, weighed_sum};
     use burn::backend::Autodiff;
     use burn::backend::cuda::{Cuda, CudaDevice};
     use burn::tensor::{Distribution, FloatDType, Tensor as T};
@@ -714,12 +714,7 @@ mod tests {
         };
         assert_eq!(y.dtype(), dtype.into());
         let stat = |t| T::<B, 1>::from_primitive(burn::tensor::TensorPrimitive::Float(t));
-        let n = y.shape().num_elements() as i64;
-        let weights = T::<B, 1, burn::tensor::Int>::arange(0..n, &dev)
-            .float()
-            .reshape(y.shape())
-            / n as f32;
-        let grads = (y.clone().cast(FloatDType::F32) * weights).sum().backward();
+        let grads = weighed_sum(y.clone()).backward();
         let v = |t: burn::tensor::TensorData| t.convert::<f32>().to_vec::<f32>().unwrap();
         vec![
             v(y.into_data()),
@@ -872,14 +867,7 @@ mod tests {
             );
             (f(out), rm, rv)
         };
-        let n = out.shape().num_elements() as i64;
-        let weights = T::<B, 1, burn::tensor::Int>::arange(0..n, &dev)
-            .float()
-            .reshape(out.shape())
-            / n as f32;
-        let grads = (out.clone().cast(FloatDType::F32) * weights)
-            .sum()
-            .backward();
+        let grads = weighed_sum(out.clone()).backward();
         let v = |t: burn::tensor::TensorData| t.convert::<f32>().to_vec::<f32>().unwrap();
         let grad = |t: &T<B, 4>| v(t.grad(&grads).unwrap().into_data());
         norm_kernels::set_enabled(false);

@@ -337,7 +337,7 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> ConvBackend
 mod tests {
     use super::*;
     use crate::ops::conv2d;
-    use crate::test_util::rel_diff;
+    use crate::test_util::{rel_diff, weighed_sum};
     use burn::backend::Autodiff;
     use burn::backend::cuda::{Cuda, CudaDevice};
     use burn::tensor::{Distribution, FloatDType, Tensor as T};
@@ -373,15 +373,7 @@ mod tests {
         // The input feeds a shortcut too, recorded after the convolution as in a
         // residual block, so that the data gradient adds onto the shortcut's gradient.
         let shortcut = nchw(input);
-        let weighed = |t: T<B, 4>| {
-            let n = t.shape().num_elements() as i64;
-            let weights = T::<B, 1, burn::tensor::Int>::arange(0..n, &dev)
-                .float()
-                .reshape(t.shape())
-                / n as f32;
-            (t * weights).sum()
-        };
-        let grads = (weighed(y.clone()) + weighed(shortcut)).backward();
+        let grads = (weighed_sum(y.clone()) + weighed_sum(shortcut)).backward();
         let v = |t: burn::tensor::TensorData| t.convert::<f32>().to_vec::<f32>().unwrap();
         [
             v(y.into_data()),
