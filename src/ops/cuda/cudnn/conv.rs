@@ -230,13 +230,23 @@ fn convolve_onto<F: FloatElement, I: IntElement, BT: BoolElement>(
 ) -> Tensor {
     type Cube<F, I, BT> = CubeBackend<CudaRuntime, F, I, BT>;
     static WARNED: AtomicBool = AtomicBool::new(false);
-    let onto = onto.map(into_contiguous);
+    let routed = routed();
+    let fits = |o: &Tensor| o.dtype == x.dtype && o.meta.shape() == x.meta.shape();
+    // cuDNN sums into a dense buffer; where it will not, `onto` is added as it is
+    // rather than copied first.
+    let onto = onto.map(|o| {
+        if routed && fits(&o) {
+            into_contiguous(o)
+        } else {
+            o
+        }
+    });
     let into = onto
         .as_ref()
-        .filter(|o| o.can_mut() && o.dtype == x.dtype && o.meta.shape() == x.meta.shape())
+        .filter(|o| routed && o.can_mut() && fits(o))
         .map(|o| o.handle.clone());
     let writes_onto = into.is_some();
-    let ours = routed()
+    let ours = routed
         .then(|| {
             let result = run(part, &x, &w, grad.as_ref(), into, &options, layout);
             warn_once(result, &WARNED, "a convolution", "kernels")
