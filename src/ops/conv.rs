@@ -269,11 +269,11 @@ mod tests {
             let case = format!("{layout:?} stride {stride}");
             assert!(max_diff(&y1, &y2) < 1e-4, "{case}: outputs differ");
             assert!(
-                rel_diff(&dx1, &dx2) < 1e-4,
+                rel_diff(&dx1, &dx2) < 1e-6,
                 "{case}: input gradients differ"
             );
             assert!(
-                rel_diff(&dw1, &dw2) < 1e-4,
+                rel_diff(&dw1, &dw2) < 1e-6,
                 "{case}: weight gradients differ"
             );
             assert!(
