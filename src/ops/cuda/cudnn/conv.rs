@@ -231,19 +231,20 @@ fn convolve_onto<F: FloatElement, I: IntElement, BT: BoolElement>(
     type Cube<F, I, BT> = CubeBackend<CudaRuntime, F, I, BT>;
     static WARNED: AtomicBool = AtomicBool::new(false);
     let routed = routed();
-    let fits = |o: &Tensor| o.dtype == x.dtype && o.meta.shape() == x.meta.shape();
-    // cuDNN sums into a dense buffer; where it will not, `onto` is added as it is
-    // rather than copied first.
-    let onto = onto.map(|o| {
-        if routed && fits(&o) {
-            into_contiguous(o)
-        } else {
-            o
-        }
-    });
+    // cuDNN sums into a dense buffer of the result's dtype and shape; where it will
+    // not, `onto` is added as it is rather than copied first.
+    let dense = routed
+        && onto
+            .as_ref()
+            .is_some_and(|o| o.dtype == x.dtype && o.meta.shape() == x.meta.shape());
+    let onto = if dense {
+        onto.map(into_contiguous)
+    } else {
+        onto
+    };
     let into = onto
         .as_ref()
-        .filter(|o| routed && o.can_mut() && fits(o))
+        .filter(|o| dense && o.can_mut())
         .map(|o| o.handle.clone());
     let writes_onto = into.is_some();
     let ours = routed
